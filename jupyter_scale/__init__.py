@@ -1,0 +1,57 @@
+"""jupyter_scale: run a PyTorch training cell on N workers with %%distribute.
+
+    %load_ext jupyter_scale
+
+registers `%%distribute` and `%scale` and starts nothing. `wrap`, `shard` and `report`
+work inside `%%distribute` cells and, as no-ops or local recording, outside them.
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .errors import ClusterError, DistributeError, RemoteError, ShippingError
+from .metrics import report
+from .training import shard, wrap
+
+_session = None
+
+
+def get_session():
+    """This kernel's Session (created on first use)."""
+    global _session
+    if _session is None:
+        from IPython import get_ipython
+
+        from .session import ScaleSession
+
+        shell = get_ipython()
+        _session = ScaleSession(shell=shell, parent=shell) if shell is not None else ScaleSession()
+    return _session
+
+
+def history() -> list[dict]:
+    """The metrics points of the last %%distribute run (or of local `report` calls)."""
+    if _session is not None and _session.runs:
+        return _session.history()
+    from .metrics import local_recorder
+
+    return list(local_recorder.points)
+
+
+def load_ipython_extension(ip) -> None:
+    from .magics import ScaleMagics
+
+    ip.register_magics(ScaleMagics(ip, get_session()))
+    # So the same cell also runs without %%distribute: `report` records locally there.
+    ip.user_ns.setdefault("report", report)
+
+
+def unload_ipython_extension(ip) -> None:
+    if _session is not None:
+        _session.stop()
+
+
+__all__ = [
+    "__version__", "get_session", "history", "report", "shard", "wrap",
+    "DistributeError", "ClusterError", "RemoteError", "ShippingError",
+]

@@ -1,0 +1,121 @@
+"""Cluster engines behind one small protocol.
+
+A backend starts and stops workers, runs a function on each (rank order) and hands back
+its results, the output each worker printed, and signals workers. It knows nothing of
+torch: everything torch-related runs inside `jupyter_scale.worker` on the workers.
+
+Engines are found through the ``jupyter_scale.backends`` entry-point group, so another
+engine (Ray, plain MPI) is one new module plus one line in its package metadata.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+from ..errors import ClusterError
+
+ENTRY_POINT_GROUP = "jupyter_scale.backends"
+
+
+@dataclass
+class Output:
+    """A piece of what a worker printed or displayed while running."""
+
+    rank: int
+    stream: str  # "stdout", "stderr" or "display"
+    text: str = ""
+    data: dict = field(default_factory=dict)  # mimebundle, for "display"
+    metadata: dict = field(default_factory=dict)
+
+
+class WorkerLost(ClusterError):
+    """A worker process went away while running (crashed, killed, or unregistered)."""
+
+    def __init__(self, rank: int, detail: str):
+        self.rank = rank
+        super().__init__(f"worker for rank {rank} was lost: {detail}")
+
+
+class Job(abc.ABC):
+    """One function running on every worker."""
+
+    ranks: list[int]
+
+    @abc.abstractmethod
+    def done(self, rank: int) -> bool:
+        """Whether `rank` has finished (returned, raised, or its worker was lost)."""
+
+    @abc.abstractmethod
+    def result(self, rank: int) -> Any:
+        """The return value of a finished rank; raises WorkerLost if its worker died."""
+
+    @abc.abstractmethod
+    def new_output(self) -> list[Output]:
+        """Output produced since the last call, in arrival order per rank."""
+
+    def release(self) -> None:
+        """Drop whatever the engine keeps of this job (results can be large)."""
+
+    def wait(self, timeout: float, poll: float = 0.02) -> list[Any]:
+        """Block until every rank finished; the results in rank order."""
+        deadline = time.monotonic() + timeout
+        while not all(self.done(r) for r in self.ranks):
+            if time.monotonic() > deadline:
+                pending = [r for r in self.ranks if not self.done(r)]
+                raise ClusterError(f"ranks {pending} did not answer within {timeout:.0f} s")
+            time.sleep(poll)
+        return [self.result(r) for r in self.ranks]
+
+
+class Backend(abc.ABC):
+    """The engine-specific part: workers, calls, signals."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def start(self, n: int, timeout: float) -> None:
+        """Start a local cluster of `n` workers (loopback only) and wait for them."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop what `start` started; afterwards none of its processes remain."""
+
+    @property
+    @abc.abstractmethod
+    def running(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable, *args: Any) -> Job:
+        """Run fn(*args) on every worker; the same arguments everywhere (sent once)."""
+
+    @abc.abstractmethod
+    def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
+        """Run fn(*args_per_rank[rank]) on each worker."""
+
+    @abc.abstractmethod
+    def interrupt(self, ranks: list[int]) -> None:
+        """Deliver SIGINT (KeyboardInterrupt) to the given ranks' workers."""
+
+    def describe(self) -> dict:
+        """Engine-specific facts for `%scale status` (addresses, ids)."""
+        return {}
+
+
+def available_backends() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def create_backend(name: str, **options: Any) -> Backend:
+    found = available_backends()
+    if name not in found:
+        known = ", ".join(sorted(found)) or "none installed"
+        raise ClusterError(f"unknown backend {name!r} (available: {known})")
+    return found[name].load()(**options)

@@ -1,0 +1,186 @@
+"""ipyparallel engine: an embedded local cluster (controller + N engines on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any, Callable
+
+import ipyparallel as ipp
+import psutil
+
+from ..errors import ClusterError
+from . import Backend, Job, Output, WorkerLost
+
+log = logging.getLogger(__name__)
+_quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
+_quiet_cluster_log.setLevel(logging.ERROR)
+
+# The controller pings engines this often (ms). ipyparallel's default (3 s, several missed
+# beats) makes a dead engine take ~10 s to notice; 500 ms keeps that to a couple of seconds.
+HEARTBEAT_MS = 500
+
+
+class _IPPJob(Job):
+    def __init__(self, client: ipp.Client, async_result, ranks: list[int]):
+        self._client = client
+        self._ar = async_result
+        self.ranks = ranks
+        # One message future per rank, in rank order (engine ids were sorted at start).
+        self._futures = list(async_result._children)
+        self._seen = {r: {"stdout": 0, "stderr": 0, "outputs": 0} for r in ranks}
+
+    def done(self, rank: int) -> bool:
+        return self._futures[rank].done()
+
+    def result(self, rank: int) -> Any:
+        value = self._futures[rank].result()
+        if isinstance(value, ipp.error.EngineError):
+            raise WorkerLost(rank, str(value))
+        if isinstance(value, ipp.error.RemoteError):
+            # Our worker functions catch everything; a RemoteError here is the engine itself.
+            raise WorkerLost(rank, f"{value.ename}: {value.evalue}")
+        if isinstance(value, BaseException):
+            raise WorkerLost(rank, repr(value))
+        return value
+
+    def new_output(self) -> list[Output]:
+        out: list[Output] = []
+        for rank, future in zip(self.ranks, self._futures):
+            md = future.output.metadata
+            seen = self._seen[rank]
+            for stream in ("stdout", "stderr"):
+                text = md.get(stream) or ""
+                if len(text) > seen[stream]:
+                    out.append(Output(rank, stream, text[seen[stream]:]))
+                    seen[stream] = len(text)
+            outputs = md.get("outputs") or []
+            for item in outputs[seen["outputs"]:]:
+                out.append(Output(rank, "display", data=item.get("data", {}), metadata=item.get("metadata", {})))
+            seen["outputs"] = len(outputs)
+        return out
+
+    def release(self) -> None:
+        # The client keeps every result and its metadata; results may hold whole models.
+        for msg_id in self._ar.msg_ids:
+            self._client.results.pop(msg_id, None)
+            self._client.metadata.pop(msg_id, None)
+            self._client._futures.pop(msg_id, None)
+            self._client._output_futures.pop(msg_id, None)
+
+
+class IPyParallelBackend(Backend):
+    """Workers are ipyparallel engines; rank i is the i-th engine id."""
+
+    name = "ipyparallel"
+
+    def __init__(self, **cluster_options: Any):
+        self._cluster_options = cluster_options
+        self._cluster: ipp.Cluster | None = None
+        self._client: ipp.Client | None = None
+        self._engine_ids: list[int] = []
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self, n: int, timeout: float) -> None:
+        if self._client is not None:
+            raise ClusterError("the ipyparallel cluster is already running")
+        options = dict(
+            n=n,
+            controller_ip="127.0.0.1",
+            controller_location="127.0.0.1",
+            # --nodb: the controller would otherwise keep every result (whole models) forever.
+            controller_args=[f"--ping={HEARTBEAT_MS}", "--nodb"],
+            engine_timeout=int(timeout),
+            # ipyparallel logs a stopped engine's whole output as a warning when its exit
+            # code is not 0, which happens now and then on a clean shutdown request; the
+            # user does not need that in the notebook. Start failures are reported by us.
+            log=_quiet_cluster_log,
+            shutdown_atexit=True,
+        )
+        options.update(self._cluster_options)
+        cluster = ipp.Cluster(**options)
+        try:
+            client = cluster.start_and_connect_sync(activate=False)
+            client.wait_for_engines(n, timeout=timeout)
+        except BaseException as exc:
+            try:
+                cluster.stop_cluster_sync()
+            except Exception:  # already half-down; the original error is what matters
+                log.debug("cleanup after failed start", exc_info=True)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise ClusterError(f"could not start {n} ipyparallel engines: {exc}") from exc
+        self._cluster, self._client = cluster, client
+        self._engine_ids = sorted(client.ids)[:n]
+
+    def stop(self) -> None:
+        engines = self.local_processes()[1:]
+        client, cluster = self._client, self._cluster
+        self._client = self._cluster = None
+        self._engine_ids = []
+        if client is not None:
+            try:
+                # Engines asked to exit through the API exit cleanly (code 0); a SIGTERM'd
+                # engine exits 1 and ipyparallel dumps its whole log into the notebook.
+                client.shutdown(targets="all", hub=False, block=True)
+            except Exception:  # a dead engine cannot answer; stop_cluster below still reaps
+                log.debug("engine shutdown request failed", exc_info=True)
+            client.close()
+            psutil.wait_procs(engines, timeout=5)
+        if cluster is not None:
+            cluster.stop_cluster_sync()
+
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def size(self) -> int:
+        return len(self._engine_ids)
+
+    def describe(self) -> dict:
+        if self._cluster is None:
+            return {}
+        return {
+            "cluster_id": self._cluster.cluster_id,
+            "profile_dir": self._cluster.profile_dir,
+            "engine_ids": list(self._engine_ids),
+        }
+
+    def local_processes(self) -> list:
+        """psutil handles of the controller and engine processes this backend started."""
+        if self._cluster is None:
+            return []
+        launchers = [self._cluster.controller]
+        for engine_set in self._cluster.engines.values():
+            launchers.extend(getattr(engine_set, "launchers", {}).values())
+        return [l.process for l in launchers if l is not None and getattr(l, "process", None) is not None]
+
+    # -- calls ---------------------------------------------------------------------
+    def _require_client(self) -> ipp.Client:
+        if self._client is None:
+            raise ClusterError("no ipyparallel cluster is running")
+        return self._client
+
+    def submit(self, fn: Callable, *args: Any) -> Job:
+        client = self._require_client()
+        # A broadcast view sends the message (and its buffers) once to the controller,
+        # which fans it out: the kernel's cost does not grow with the number of workers.
+        view = client.broadcast_view(targets=self._engine_ids)
+        ar = view.apply_async(fn, *args)
+        return _IPPJob(client, ar, list(range(self.size)))
+
+    def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
+        client = self._require_client()
+        children = []
+        for rank, args in enumerate(args_per_rank):
+            ar = client[self._engine_ids[rank]].apply_async(fn, *args)
+            children.extend(ar._children)
+        combined = ipp.AsyncResult(client, children, fname=getattr(fn, "__name__", "call"), targets=self._engine_ids)
+        return _IPPJob(client, combined, list(range(self.size)))
+
+    def interrupt(self, ranks: list[int]) -> None:
+        client = self._require_client()
+        targets = [self._engine_ids[r] for r in ranks]
+        if targets:
+            client.send_signal(signal.SIGINT, targets=targets, block=False)

@@ -1,0 +1,154 @@
+"""`%%distribute` and `%scale`: argument parsing only; the work is in Session."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .backends import available_backends
+from .session import ScaleSession
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"--workers takes a whole number, not {text!r}") from None
+    if value < 1:
+        raise UsageError(f"--workers must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--timeout takes a number of seconds, not {text!r}") from None
+    if not value > 0:
+        raise UsageError(f"--timeout must be more than 0 seconds, not {text}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not n.isidentifier()]
+    if bad or not names:
+        raise UsageError(f"--pull takes comma-separated variable names, not {text!r}")
+    return names
+
+
+def _parse(magic, line: str):
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:
+        # argparse's message, on one line, without the usage block.
+        raise UsageError(str(exc).strip().splitlines()[-1]) from None
+
+
+@magics_class
+class ScaleMagics(Magics):
+    def __init__(self, shell, session: ScaleSession):
+        super().__init__(shell)
+        self.session = session
+
+    def _choose_backend(self, name: str | None) -> None:
+        if name is None:
+            return
+        if name not in available_backends():
+            raise UsageError(f"unknown backend {name!r} (available: {', '.join(sorted(available_backends()))})")
+        if self.session.running and name != self.session.backend_name:
+            raise UsageError(f"a {self.session.backend_name} cluster is running; %scale stop it first")
+        self.session.backend_name = name
+
+    @magic_arguments()
+    @argument("-n", "--workers", type=_positive_int, default=None,
+              help="number of workers (default: the running cluster's size, else 2)")
+    @argument("--pull", type=_names, default=[],
+              help="comma-separated worker variables to copy back into the notebook (rank 0's values)")
+    @argument("--timeout", type=_positive_float, default=None,
+              help="fail the cell if it is still running after this many seconds (default: no limit)")
+    @argument("--backend", default=None, help="cluster engine for a new cluster (default: ipyparallel)")
+    @cell_magic
+    def distribute(self, line: str, cell: str):
+        """Run this cell on every worker of a local (or connected) cluster.
+
+        The cell runs on every rank with torch.distributed initialized; `rank`,
+        `world_size`, `local_rank`, `device` and `report` are defined, and the torchrun
+        variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are set. Notebook variables the cell
+        reads are sent by value (unchanged ones are not sent again). Afterwards every
+        notebook nn.Module the cell used holds rank 0's weights.
+
+        Examples
+        --------
+        ::
+
+            %%distribute --workers 2
+            model = jupyter_scale.wrap(model)
+            loader = jupyter_scale.shard(DataLoader(data, batch_size=64, shuffle=True))
+            ...
+
+            %%distribute --pull losses,accuracy
+            losses = train(model)
+
+            %%distribute --timeout 600
+            train_one_epoch()
+        """
+        args = _parse(self.distribute, line)
+        self._choose_backend(args.backend)
+        if not cell.strip():
+            raise UsageError("%%distribute needs a cell body to run")
+        self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout)
+
+    @magic_arguments()
+    @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart"],
+              help="what to do (default: status)")
+    @argument("-n", "--workers", type=_positive_int, default=None, help="workers for start/restart")
+    @argument("--backend", default=None, help="cluster engine for start (default: ipyparallel)")
+    @line_magic
+    def scale(self, line: str):
+        """Manage the cluster behind %%distribute.
+
+        Examples
+        --------
+        ::
+
+            %scale                      # status: engine, workers, ranks, last run
+            %scale start --workers 4
+            %scale restart              # fresh workers, same size
+            %scale stop                 # stops every process the cluster started
+        """
+        args = _parse(self.scale, line)
+        if args.workers is not None and args.action not in ("start", "restart"):
+            raise UsageError(f"--workers goes with start or restart, not {args.action}")
+        self._choose_backend(args.backend)
+        session = self.session
+        if args.action == "start":
+            if session.running:
+                raise UsageError(f"a cluster of {session.size} workers is already running "
+                                 "(%scale restart --workers N to change it)")
+            session.start(args.workers)
+        elif args.action == "stop":
+            was = session.size
+            session.stop()
+            print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")
+        elif args.action == "restart":
+            session.restart(args.workers)
+        else:
+            print(format_status(session.status()))
+
+
+def format_status(info: dict) -> str:
+    if not info["running"]:
+        text = f"jupyter_scale: no cluster running (backend {info['backend']})"
+    else:
+        group = info.get("group", {})
+        text = (f"jupyter_scale: {info['backend']} cluster, {info['workers']} workers; process group "
+                f"{group.get('backend', '?')} at {group.get('master_addr', '?')}:{group.get('master_port', '?')}"
+                f"{'' if group.get('ready') else ' (re-forms at the next cell)'}")
+        for r in info.get("ranks", []):
+            text += f"\n  rank {r['rank']}: pid {r['pid']} on {r['hostname']}, device {r.get('device', '?')}"
+    if "last_run" in info:
+        last = info["last_run"]
+        text += f"\n  last run: cell {last['index']} {last['status']} in {last['elapsed']:.2f} s"
+    return text

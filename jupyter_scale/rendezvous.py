@@ -1,0 +1,159 @@
+"""Process-group setup on the workers: store, backend and device choice, teardown.
+
+Rank 0 hosts the TCPStore on a socket it binds itself to `master_addr` with port 0, so
+the port is free by construction (no race between choosing and binding, no fixed 29500)
+and a loopback cluster listens on 127.0.0.1 only (TCPStore would bind every interface).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+
+
+def select_backend(cuda_counts: list[int]) -> str:
+    """NCCL when every worker has a GPU, else gloo (NCCL cannot mix with CPU ranks)."""
+    if cuda_counts and all(c > 0 for c in cuda_counts) and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def select_device(backend: str, local_rank: int, cuda_count: int) -> torch.device:
+    """One GPU per local rank (wrapping when there are more ranks than GPUs); else CPU."""
+    if backend == "nccl" and cuda_count > 0:
+        return torch.device("cuda", local_rank % cuda_count)
+    return torch.device("cpu")
+
+
+def loopback_interface() -> str | None:
+    """Name of the loopback interface ('lo' on Linux, 'lo0' on macOS), if any."""
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return None
+
+
+def open_store(master_addr: str, world_size: int, timeout: float) -> tuple[dist.TCPStore, int]:
+    """Rank 0: listen on master_addr at a free port; return the store and its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((master_addr, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        master_addr,
+        port,
+        world_size=world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),  # the store takes ownership of the socket
+    )
+    return store, port
+
+
+def connect_store(master_addr: str, port: int, world_size: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        master_addr,
+        port,
+        world_size=world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+
+
+def set_torchrun_env(rank: int, world_size: int, local_rank: int, local_world_size: int,
+                     master_addr: str, master_port: int) -> None:
+    """The variables torchrun sets, so code written for torchrun runs unchanged."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    if master_addr == LOOPBACK and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo otherwise listens on the address the hostname resolves to.
+        iface = loopback_interface()
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+
+
+def tcp_socket_inodes() -> set[int]:
+    """Inodes of this process's open sockets (Linux; empty elsewhere)."""
+    inodes = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
+               device: torch.device) -> set[int]:
+    """Join the group; returns the inodes of the sockets the group opened."""
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    before = tcp_socket_inodes()
+    # No short collective timeout: a 30-minute training step is normal. A failing rank
+    # unblocks its peers' collectives by cutting its connections (see abort_group).
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return tcp_socket_inodes() - before
+
+
+def abort_group(group_sockets: set[int]) -> None:
+    """Cut this rank's connections to the group, then tear the group down.
+
+    destroy_process_group() alone does not close gloo's connections while anything still
+    references the group (a DDP model does), and ProcessGroup.abort() is a no-op for
+    gloo; peers blocked in a collective with this rank would wait for the collective
+    timeout (30 min). Shutting the sockets down makes every peer's pending collective
+    fail at once with "connection closed by peer", which then aborts that peer too.
+    """
+    if group_sockets:
+        for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and int(target[8:-1]) in group_sockets:
+                _shutdown_fd(int(fd))
+    destroy_group()
+
+
+def _shutdown_fd(fd: int) -> None:
+    try:
+        # fromfd dup()s: shutdown acts on the shared socket, close only on the dup, so
+        # the fd gloo owns stays valid (no reuse of its number by something else).
+        sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return
+    try:
+        # Only connections: shutting gloo's listening socket down makes its accept loop
+        # throw, which terminates the process.
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already disconnected
+    finally:
+        sock.close()
+
+
+def destroy_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,427 @@
+"""One Session per kernel: the cluster, the worker group, shipping state, runs.
+
+Everything `%%distribute` and `%scale` do is a method here, so tests and UIs drive the
+same code as the magics.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from traitlets import Float, Integer, Unicode
+from traitlets.config import LoggingConfigurable
+
+from . import rendezvous, shipping, worker
+from .backends import Backend, Job, Output, WorkerLost, create_backend
+from .errors import ClusterError, DistributeError, RankFailure, RemoteError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunRecord:
+    """What one %%distribute cell did; `Session.runs` keeps them."""
+
+    index: int
+    workers: int
+    shipped: dict[str, int] = field(default_factory=dict)  # name -> bytes sent
+    skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
+    pulled: list[str] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+    status: str = "running"  # running, finished, failed, interrupted, timed out
+    error: str = ""
+    started: float = field(default_factory=time.time)
+    elapsed: float = 0.0
+
+    @property
+    def bytes_shipped(self) -> int:
+        return sum(self.shipped.values())
+
+
+class _LineLabeler:
+    """Prefixes each complete line a rank prints with `[rank N]`; keeps partial lines."""
+
+    def __init__(self) -> None:
+        self._partial: dict[tuple[int, str], str] = {}
+
+    def feed(self, rank: int, stream: str, text: str) -> str:
+        key = (rank, stream)
+        text = self._partial.pop(key, "") + text
+        lines = text.split("\n")
+        if lines[-1]:
+            self._partial[key] = lines[-1]
+        return "".join(f"[rank {rank}] {line}\n" for line in lines[:-1])
+
+    def flush(self) -> list[tuple[str, str]]:
+        rest = [(stream, f"[rank {rank}] {text}\n") for (rank, stream), text in sorted(self._partial.items())]
+        self._partial.clear()
+        return rest
+
+
+class ScaleSession(LoggingConfigurable):
+    """The kernel's handle on its cluster and the cells it distributes."""
+
+    backend_name = Unicode("ipyparallel", config=True,
+                           help="Cluster engine for the embedded cluster (see `jupyter_scale.backends`).")
+    default_workers = Integer(2, config=True,
+                              help="Workers to start when %%distribute has no --workers and no cluster runs.")
+    start_timeout = Float(120.0, config=True,
+                          help="Seconds to wait for workers to start and to form the process group.")
+    abort_grace = Float(1.0, config=True,
+                        help="After one rank fails, seconds to let the others fail on their own "
+                             "(a torn-down process group unblocks them) before interrupting them.")
+    stop_deadline = Float(15.0, config=True,
+                          help="Seconds interrupted ranks get to stop before the cell gives up on them.")
+    poll_interval = Float(0.02, config=True, help="Seconds between checks for output and results.")
+
+    def __init__(self, namespace: dict | None = None, shell: Any = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.shell = shell
+        self.namespace = namespace if namespace is not None else (shell.user_ns if shell else {})
+        self.backend: Backend | None = None
+        self.workers: list[dict] = []  # describe() of each rank
+        self.group: dict = {}  # backend, master address/port of the current process group
+        self.runs: list[RunRecord] = []
+        self._sent: dict[str, tuple] = {}  # name -> fingerprint of the value the workers hold
+        self._group_ready = False
+
+    # ------------------------------------------------------------------------------
+    # Cluster
+    # ------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.backend is not None and self.backend.running
+
+    @property
+    def size(self) -> int:
+        return self.backend.size if self.running else 0
+
+    def start(self, workers: int | None = None) -> None:
+        n = workers or self.default_workers
+        if n < 1:
+            raise ValueError(f"workers must be at least 1, not {n}")
+        if self.running:
+            raise ClusterError(f"a cluster of {self.size} workers is already running; "
+                               "use %scale restart --workers N to change it")
+        print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
+              flush=True)
+        started = time.monotonic()
+        backend = create_backend(self.backend_name)
+        backend.start(n, timeout=self.start_timeout)
+        self.backend = backend
+        try:
+            self._form_group()
+        except BaseException:
+            self.stop()
+            raise
+        print(f"jupyter_scale: {n} workers ready ({self.group['backend']}) in "
+              f"{time.monotonic() - started:.1f} s", flush=True)
+
+    def stop(self) -> None:
+        backend, self.backend = self.backend, None
+        self._forget_workers()
+        if backend is None or not backend.running:
+            return
+        try:
+            backend.submit(worker.leave_group).wait(timeout=5)
+        except (ClusterError, WorkerLost):  # a dead or stuck worker is stopped below anyway
+            log.debug("leave_group failed during stop", exc_info=True)
+        backend.stop()
+
+    def restart(self, workers: int | None = None) -> None:
+        n = workers or self.size or self.default_workers
+        self.stop()
+        self.start(n)
+
+    def ensure(self, workers: int | None = None) -> None:
+        """A running cluster of `workers` (default: the current size, else the default)."""
+        if not self.running:
+            self.start(workers)
+        elif workers and workers != self.size:
+            print(f"jupyter_scale: resizing from {self.size} to {workers} workers "
+                  "(restarts the workers: their variables are lost)", flush=True)
+            self.restart(workers)
+        elif not self._group_ready:
+            self._form_group()
+
+    def status(self) -> dict:
+        info = {"running": self.running, "backend": self.backend_name, "workers": self.size}
+        if self.running:
+            info.update(self.backend.describe())
+            info["group"] = dict(self.group, ready=self._group_ready)
+            info["ranks"] = [dict(rank=r, **w) for r, w in enumerate(self.workers)]
+        if self.runs:
+            last = self.runs[-1]
+            info["last_run"] = {"index": last.index, "status": last.status, "elapsed": round(last.elapsed, 3)}
+        return info
+
+    def _forget_workers(self) -> None:
+        self.workers = []
+        self.group = {}
+        self._sent.clear()
+        self._group_ready = False
+
+    def _form_group(self) -> None:
+        """Lay out ranks (host, local rank, device) and initialize torch.distributed."""
+        backend = self._require_backend()
+        n = backend.size
+        timeout = self.start_timeout
+        self.workers = backend.submit_each(worker.describe, [()] * n).wait(timeout)
+        hosts = [w["hostname"] for w in self.workers]
+        all_local = all(h == socket.gethostname() for h in hosts)
+        # One host (the embedded cluster): loopback only. Several: rank 0's host name,
+        # on a network the user trusts (see README, "Security").
+        master_addr = rendezvous.LOOPBACK if all_local else hosts[0]
+        dist_backend = rendezvous.select_backend([w["cuda_count"] for w in self.workers])
+        # Only rank 0 listens; it picks the port by binding port 0 (no collisions).
+        port = backend.submit_each(
+            worker.open_rendezvous, [(r == 0, master_addr, n, timeout) for r in range(n)]
+        ).wait(timeout)[0]
+        per_host = Counter(hosts)
+        seen: Counter = Counter()
+        layouts = []
+        for rank, w in enumerate(self.workers):
+            layouts.append(dict(
+                rank=rank, world_size=n, local_rank=seen[w["hostname"]],
+                local_world_size=per_host[w["hostname"]], master_addr=master_addr,
+                master_port=port, backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
+            ))
+            seen[w["hostname"]] += 1
+        joined = backend.submit_each(worker.join_group, [(layout,) for layout in layouts]).wait(timeout)
+        for w, j in zip(self.workers, joined):
+            w["device"] = j["device"]
+        self.group = {"backend": dist_backend, "master_addr": master_addr, "master_port": port}
+        self._group_ready = True
+
+    def _require_backend(self) -> Backend:
+        if not self.running:
+            raise ClusterError("no cluster is running; start one with %scale start --workers N")
+        return self.backend
+
+    # ------------------------------------------------------------------------------
+    # Running cells
+    # ------------------------------------------------------------------------------
+    def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
+            timeout: float | None = None) -> RunRecord:
+        """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure."""
+        code = self._transform(code)
+        pull = list(pull)
+        names = self._names_to_ship(code)
+        # Serialize before any worker runs: an unpicklable value fails here, naming it.
+        payloads = shipping.dumps_named({n: self.namespace[n] for n in names})
+        self.ensure(workers)
+        record = RunRecord(index=len(self.runs) + 1, workers=self.size)
+        self.runs.append(record)
+
+        frames: list = []
+        shipped_names: list[tuple[str, int]] = []
+        fingerprints = {}
+        for name, payload in payloads.items():
+            fp = shipping.fingerprint(self.namespace[name], payload)
+            if self._sent.get(name) == fp:
+                record.skipped.append(name)
+                continue
+            fingerprints[name] = fp
+            shipped_names.append((name, len(payload.frames())))
+            frames.extend(payload.frames())
+            record.shipped[name] = payload.nbytes
+        modules = [n for n in names if isinstance(self.namespace[n], torch.nn.Module)]
+        request = {
+            "names": shipped_names,
+            "code": code,
+            "filename": f"<distribute-cell-{record.index}>",
+            "modules": modules,
+            "pull": pull,
+        }
+        job = self.backend.submit(worker.run_cell, request, *frames)
+        try:
+            headers, frames_back, failures, lost = self._wait(job, record, timeout)
+        finally:
+            job.release()
+        record.elapsed = time.time() - record.started
+        for header in headers.values():
+            record.metrics.extend(header.get("metrics", []))
+        record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
+
+        if lost:
+            # A worker process is gone: the group cannot be reused as it is.
+            self._group_ready = False
+            self._sent.clear()
+        else:
+            self._sent.update(fingerprints)
+        if any(not h.get("group_ready", False) for h in headers.values()):
+            self._group_ready = False
+        if failures:
+            error = RemoteError(failures)
+            record.status = "interrupted" if all(f.interrupted for f in failures) else "failed"
+            record.error = str(error)
+            if record.status == "interrupted" and getattr(self, "_user_interrupted", False):
+                raise KeyboardInterrupt(f"interrupted; ranks stopped: {sorted(f.rank for f in failures)}")
+            raise error
+        record.status = "finished"
+        self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
+        return record
+
+    def _transform(self, code: str) -> str:
+        if self.shell is not None:
+            # IPython syntax (magics, !shell) becomes plain Python, as in a normal cell.
+            return self.shell.transform_cell(code)
+        return code
+
+    def _names_to_ship(self, code: str) -> list[str]:
+        try:
+            candidates = shipping.free_names(code)
+        except SyntaxError as exc:
+            raise DistributeError(f"the cell is not valid Python: {exc}") from None
+        skip = set(worker.INJECTED_NAMES)
+        return [
+            n for n in candidates
+            if n in self.namespace and n not in skip and not n.startswith("__")
+            and not _is_ipython_internal(n)
+        ]
+
+    def _wait(self, job: Job, record: RunRecord, timeout: float | None):
+        """Stream output until every rank answered; stop the others after a failure."""
+        backend = self.backend
+        labeler = _LineLabeler()
+        headers: dict[int, dict] = {}
+        frames_back: dict[int, tuple] = {}
+        failures: list[RankFailure] = []
+        lost: list[int] = []
+        started = time.monotonic()
+        first_failure: float | None = None
+        interrupted_at: float | None = None
+        self._user_interrupted = False
+        timed_out = False
+
+        def stop_running(reason: str) -> None:
+            nonlocal interrupted_at
+            running = [r for r in job.ranks if r not in headers and r not in lost]
+            if running and interrupted_at is None:
+                log.info("interrupting ranks %s: %s", running, reason)
+                backend.interrupt(running)
+                interrupted_at = time.monotonic()
+
+        while True:
+            try:
+                self._emit(job.new_output(), labeler)
+                for rank in job.ranks:
+                    if rank in headers or rank in lost or not job.done(rank):
+                        continue
+                    try:
+                        header, *rest = job.result(rank)
+                    except WorkerLost as exc:
+                        lost.append(rank)
+                        failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time()))
+                        first_failure = first_failure or time.monotonic()
+                        continue
+                    headers[rank], frames_back[rank] = header, tuple(rest)
+                    if header["status"] == "error":
+                        failures.append(RankFailure(**header["failure"]))
+                        first_failure = first_failure or time.monotonic()
+                if len(headers) + len(lost) == len(job.ranks):
+                    break
+                now = time.monotonic()
+                if first_failure is not None and now - first_failure > self.abort_grace:
+                    stop_running("another rank failed")
+                if timeout is not None and now - started > timeout and interrupted_at is None:
+                    timed_out = True
+                    silent = [r for r in job.ranks if r not in headers and r not in lost]
+                    print(f"jupyter_scale: --timeout {timeout:g} s reached; stopping ranks {silent}",
+                          file=sys.stderr, flush=True)
+                    stop_running("timeout")
+                if interrupted_at is not None and now - interrupted_at > self.stop_deadline:
+                    stuck = [r for r in job.ranks if r not in headers and r not in lost]
+                    self._group_ready = False
+                    raise ClusterError(
+                        f"ranks {stuck} did not stop within {self.stop_deadline:g} s of being "
+                        "interrupted; run %scale restart to replace the workers")
+                time.sleep(self.poll_interval)
+            except KeyboardInterrupt:
+                # The user interrupted the kernel: pass it on to every rank, keep waiting
+                # (bounded by stop_deadline) so they are reusable afterwards.
+                self._user_interrupted = True
+                print("jupyter_scale: interrupting the workers ...", file=sys.stderr, flush=True)
+                stop_running("kernel interrupt")
+        self._emit(job.new_output(), labeler)
+        for stream, text in labeler.flush():
+            _write(stream, text)
+        if timed_out:
+            for f in failures:
+                f.interrupted = False
+                f.etype = "TimeoutError" if f.etype == "KeyboardInterrupt" else f.etype
+                f.message = f.message or f"still running after --timeout {timeout:g} s"
+        return headers, frames_back, failures, lost
+
+    def _emit(self, outputs: list[Output], labeler: _LineLabeler) -> None:
+        for out in outputs:
+            if out.stream == "display":
+                if out.rank == 0:  # rich output is shown once, from rank 0
+                    from IPython.display import publish_display_data
+
+                    publish_display_data(out.data, out.metadata)
+                continue
+            text = labeler.feed(out.rank, out.stream, out.text)
+            if text:
+                _write(out.stream, text)
+
+    def _apply_pulls(self, header: dict, frames: tuple, record: RunRecord) -> None:
+        at = 0
+        for name, kind, count in header.get("pulled", []):
+            stream, buffers = frames[at], frames[at + 1: at + count]
+            at += count
+            value = shipping.loads(stream, buffers)
+            if kind == "state_dict":
+                module = self.namespace[name]
+                with torch.no_grad():
+                    module.load_state_dict(value)
+            else:
+                self.namespace[name] = value
+            record.pulled.append(name)
+            # The notebook now holds what the workers hold: don't send it back unchanged.
+            payload = shipping.dumps(self.namespace[name])
+            self._sent[name] = shipping.fingerprint(self.namespace[name], payload)
+        for name, problem in header.get("pull_errors", {}).items():
+            print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
+
+    def gather(self, name: str) -> list:
+        """Every rank's value of worker variable `name`, in rank order."""
+        job = self._require_backend().submit(worker.gather_value, name)
+        try:
+            answers = job.wait(self.start_timeout)
+        finally:
+            job.release()
+        missing = [a[0]["rank"] for a in answers if a[0]["missing"]]
+        if missing:
+            raise KeyError(f"{name!r} is not defined on ranks {missing}")
+        return [shipping.loads(a[1], a[2:]) for a in answers]
+
+    def history(self) -> list[dict]:
+        """The metrics points the last run reported (all ranks, in time order)."""
+        return list(self.runs[-1].metrics) if self.runs else []
+
+
+def _is_ipython_internal(name: str) -> bool:
+    # IPython's history and output caches (_, __, _i, _i3, _oh, In, Out, exit, ...)
+    return name in {"_", "In", "Out", "exit", "quit", "get_ipython", "_oh", "_ih", "_dh"} or (
+        name.startswith("_i") and (name[2:].isdigit() or name[2:] in {"", "i", "ii"})
+    ) or (name.startswith("_") and name[1:].isdigit())
+
+
+def _write(stream: str, text: str) -> None:
+    target = sys.stderr if stream == "stderr" else sys.stdout
+    target.write(text)
+    target.flush()
+
+
+# The name users and DESIGN.md use. The class is called ScaleSession so that its
+# traitlets config section (c.ScaleSession.default_workers = 4) does not collide with
+# jupyter_client's `Session`.
+Session = ScaleSession

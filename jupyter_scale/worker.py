@@ -1,0 +1,237 @@
+"""What runs inside each worker process, whatever the cluster engine.
+
+The engine calls these module-level functions with plain arguments and gets plain
+values back: `(header_dict, *frames)` where frames are the pickled payloads. Nothing here
+knows which engine carries the calls. A worker keeps one namespace across cells, as a
+kernel does, and one torch.distributed process group until it is torn down.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import rendezvous, shipping
+from .metrics import Recorder
+
+# Names every cell sees; they are set again before each cell so they stay truthful.
+INJECTED_NAMES = ("rank", "world_size", "local_rank", "device", "report")
+
+
+@dataclass
+class _WorkerState:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    namespace: dict = field(default_factory=lambda: {"__name__": "__main__", "__builtins__": __builtins__})
+    recorder: Recorder = field(default_factory=Recorder)
+    store: Any = None  # rank 0 hosts the TCPStore; it must outlive the group
+    group_ready: bool = False
+    group_sockets: set = field(default_factory=set)  # what abort_group cuts
+
+
+_state = _WorkerState()
+
+
+def describe() -> dict:
+    """Facts the kernel needs to lay out ranks: host, pid, GPUs."""
+    return {
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "cuda_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+
+
+def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout: float) -> int | None:
+    """On rank 0: listen for the group; returns the port chosen. Others: nothing."""
+    if not is_master:
+        return None
+    _state.store = None  # close the previous store first (frees its port)
+    _state.store, port = rendezvous.open_store(master_addr, world_size, timeout)
+    return port
+
+
+def join_group(layout: dict) -> dict:
+    """Set this worker's rank, env and device, and join the process group."""
+    rendezvous.abort_group(_state.group_sockets)
+    _state.group_ready = False
+    rank, world_size = layout["rank"], layout["world_size"]
+    _state.rank, _state.world_size = rank, world_size
+    _state.local_rank, _state.local_world_size = layout["local_rank"], layout["local_world_size"]
+    _state.device = rendezvous.select_device(layout["backend"], _state.local_rank, layout["cuda_count"])
+    _state.recorder = Recorder(rank=rank)
+    rendezvous.set_torchrun_env(rank, world_size, _state.local_rank, _state.local_world_size,
+                                layout["master_addr"], layout["master_port"])
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Like torchrun, don't let N workers on one host each claim every core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _state.local_world_size))
+    if rank == 0:
+        store = _state.store
+    else:
+        store = rendezvous.connect_store(layout["master_addr"], layout["master_port"], world_size,
+                                         layout["timeout"])
+    _state.group_sockets = rendezvous.init_group(store, layout["backend"], rank, world_size, _state.device)
+    _state.group_ready = True
+    rewrapped = _rewrap_stale_ddp()
+    return {"rank": rank, "backend": layout["backend"], "device": str(_state.device), "rewrapped": rewrapped}
+
+
+def _rewrap_stale_ddp() -> list[str]:
+    """Models wrapped for a previous (torn-down) group are wrapped again for this one.
+
+    DDP's constructor broadcasts rank 0's weights, so ranks that diverged when a cell
+    failed half-way through a step start the next cell equal again.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .training import wrap
+
+    names = []
+    for name, value in list(_state.namespace.items()):
+        if isinstance(value, DistributedDataParallel):
+            options = getattr(value, "_jupyter_scale_options", {})
+            _state.namespace[name] = wrap(value.module, **options)
+            names.append(name)
+    return names
+
+
+def leave_group() -> None:
+    """Cut and tear down the process group (peers blocked on us fail fast)."""
+    rendezvous.abort_group(_state.group_sockets)
+    _state.group_sockets = set()
+    _state.group_ready = False
+    _state.store = None
+
+
+def _inject() -> None:
+    ns = _state.namespace
+    ns.update(
+        rank=_state.rank,
+        world_size=_state.world_size,
+        local_rank=_state.local_rank,
+        device=_state.device,
+        report=_state.recorder.report,
+    )
+
+
+def _receive(names: list[tuple[str, int]], frames: tuple) -> None:
+    values = {}
+    at = 0
+    for name, count in names:
+        stream, buffers = frames[at], frames[at + 1: at + count]
+        at += count
+        values[name] = shipping.loads(stream, buffers)
+    _state.namespace.update(values)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without this module's frames (the user's code starts below them)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _register_source(filename: str, code: str) -> None:
+    # Tracebacks then show the cell's lines, as IPython does for its own cells.
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+
+
+def run_cell(request: dict, *frames: Any) -> tuple:
+    """Receive the shipped names, run the cell body, answer with status and pulls.
+
+    Every exception, KeyboardInterrupt included, is caught and returned: the process
+    group is torn down first, so ranks waiting for this one in a collective fail at once
+    instead of blocking until the collective's timeout.
+    """
+    started = time.time()
+    rank = _state.rank
+    try:
+        _receive(request["names"], frames)
+        _inject()
+        _register_source(request["filename"], request["code"])
+        code = compile(request["code"], request["filename"], "exec")
+        exec(code, _state.namespace)
+    except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
+        failed_at = time.time()
+        try:
+            leave_group()
+        except BaseException:  # a second interrupt or a broken group: still answer
+            pass
+        _flush()
+        failure = {
+            "rank": rank,
+            "etype": type(exc).__name__,
+            "message": str(exc),
+            "traceback": _user_traceback(exc),
+            "time": failed_at,
+            "interrupted": isinstance(exc, KeyboardInterrupt),
+        }
+        return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
+                 "metrics": _state.recorder.drain(), "elapsed": failed_at - started},)
+    _flush()
+    header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready,
+              "metrics": _state.recorder.drain(), "elapsed": time.time() - started}
+    out_frames: list = []
+    if rank == 0:
+        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames)
+    return (header, *out_frames)
+
+
+def _pack_pulls(request: dict, out_frames: list) -> tuple[list, dict]:
+    """Rank 0's module weights and --pull values, as (name, kind, frame count)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ns = _state.namespace
+    pulled, errors = [], {}
+    for name in request.get("modules", []):
+        value = ns.get(name)
+        if isinstance(value, DistributedDataParallel):
+            value = value.module
+        if not isinstance(value, torch.nn.Module):
+            errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
+            continue
+        state = {k: v.detach().cpu() for k, v in value.state_dict().items()}
+        payload = shipping.dumps(state)
+        out_frames.extend(payload.frames())
+        pulled.append((name, "state_dict", len(payload.frames())))
+    for name in request.get("pull", []):
+        if name not in ns:
+            errors[name] = "is not defined on the workers"
+            continue
+        try:
+            payload = shipping.dumps(ns[name])
+        except Exception as exc:  # pickling raises many types
+            errors[name] = f"cannot be sent back: {type(exc).__name__}: {exc}"
+            continue
+        out_frames.extend(payload.frames())
+        pulled.append((name, "value", len(payload.frames())))
+    return pulled, errors
+
+
+def gather_value(name: str) -> tuple:
+    """This worker's value of `name` (for Session.gather)."""
+    if name not in _state.namespace:
+        return ({"rank": _state.rank, "missing": True},)
+    payload = shipping.dumps(_state.namespace[name])
+    return ({"rank": _state.rank, "missing": False}, *payload.frames())
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or replaced stream must not fail the cell
+            pass

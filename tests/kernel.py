@@ -1,0 +1,92 @@
+"""Drive a real IPython kernel (a separate process) cell by cell, with deadlines."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class CellResult:
+    stdout: str = ""
+    stderr: str = ""
+    error: dict | None = None  # ename, evalue, traceback
+    result: str | None = None  # text/plain of the execute_result
+    displays: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def error_text(self) -> str:
+        if not self.error:
+            return ""
+        return "\n".join([self.error["ename"], self.error["evalue"], *self.error["traceback"]])
+
+
+class Kernel:
+    """A kernel with `%load_ext jupyter_scale` run; `cell()` runs code and collects output."""
+
+    def __init__(self, startup_timeout: float = 60):
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(extra_arguments=["--HistoryManager.enabled=False"])
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=startup_timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def cell(self, code: str, timeout: float = 180) -> CellResult:
+        msg_id = self.client.execute(code, store_history=False)
+        out = CellResult()
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.manager.interrupt_kernel()
+                raise TimeoutError(f"cell did not finish within {timeout} s:\n{code}\n--- so far:\n{out.stdout}{out.stderr}")
+            try:
+                msg = self.client.get_iopub_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    out.stdout += content["text"]
+                else:
+                    out.stderr += content["text"]
+            elif kind == "error":
+                out.error = content
+            elif kind == "execute_result":
+                out.result = content["data"].get("text/plain")
+            elif kind == "display_data":
+                out.displays.append(content["data"])
+            elif kind == "status" and content["execution_state"] == "idle":
+                return out
+
+    def ok(self, code: str, timeout: float = 180) -> CellResult:
+        """Run a cell that must succeed; fail the test with its error otherwise."""
+        result = self.cell(code, timeout)
+        assert result.ok, f"cell failed:\n{code}\n---\n{result.error_text}\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def value(self, expr: str, timeout: float = 60):
+        """Evaluate `expr` in the kernel and return it (via repr/literal_eval)."""
+        import ast
+
+        result = self.ok(f"print(repr({expr}))", timeout)
+        return ast.literal_eval(result.stdout.strip().splitlines()[-1])
+
+    def shutdown(self) -> None:
+        try:
+            self.client.stop_channels()
+        finally:
+            self.manager.shutdown_kernel(now=False)
