@@ -106,7 +106,9 @@ class _FreeNames(ast.NodeVisitor):
 
     def visit_For(self, node: ast.For) -> None:
         self.visit(node.iter)
-        self._conditional_block([node.target, *node.body, *node.orelse])
+        # The loop variable is bound wherever the body reads it.
+        self.visit(node.target)
+        self._conditional_block([*node.body, *node.orelse])
 
     visit_AsyncFor = visit_For
 
@@ -123,9 +125,9 @@ class _FreeNames(ast.NodeVisitor):
         for handler in node.handlers:
             if handler.type is not None:
                 self.visit(handler.type)
-            self._conditional += 1
             if handler.name:
-                self._store(handler.name)
+                self._store(handler.name)  # bound in the handler, where it is read
+            self._conditional += 1
             for stmt in handler.body:
                 self.visit(stmt)
             self._conditional -= 1
@@ -292,6 +294,10 @@ def _rebuild_tensor(buffer, dtype, shape, stride, offset, requires_grad):
     return tensor
 
 
+def _rebuild_parameter(tensor_args, requires_grad):
+    return torch.nn.Parameter(_rebuild_tensor(*tensor_args[:5], False), requires_grad=requires_grad)
+
+
 def _plain_cpu_tensor(obj: Any) -> bool:
     return (
         type(obj) is torch.Tensor
@@ -314,6 +320,11 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         if _plain_cpu_tensor(obj):
             return self._reduce_tensor(obj)
+        if type(obj) is torch.nn.Parameter and _plain_cpu_tensor(obj.detach()):
+            # Parameter's own reduce goes through `.data`, whose version counter is not
+            # the parameter's: in-place updates would go unnoticed by `fingerprint`.
+            rebuild, args = self._reduce_tensor(obj)
+            return _rebuild_parameter, (args, obj.requires_grad)
         return super().reducer_override(obj)
 
     def _reduce_tensor(self, tensor: torch.Tensor):

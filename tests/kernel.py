@@ -42,7 +42,8 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def cell(self, code: str, timeout: float = 180) -> CellResult:
+    def cell(self, code: str, timeout: float = 180, on_stream=None) -> CellResult:
+        """Run `code`; `on_stream(name, text)` is called for each output as it arrives."""
         msg_id = self.client.execute(code, store_history=False)
         out = CellResult()
         deadline = time.monotonic() + timeout
@@ -59,6 +60,8 @@ class Kernel:
                 continue
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
+                if on_stream is not None:
+                    on_stream(content["name"], content["text"])
                 if content["name"] == "stdout":
                     out.stdout += content["text"]
                 else:
@@ -82,8 +85,18 @@ class Kernel:
         """Evaluate `expr` in the kernel and return it (via repr/literal_eval)."""
         import ast
 
-        result = self.ok(f"print(repr({expr}))", timeout)
+        result = self.ok(f"print(repr(({expr})))", timeout)
         return ast.literal_eval(result.stdout.strip().splitlines()[-1])
+
+    def descendants(self) -> list:
+        """Live processes started (directly or not) by the kernel process."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
     def shutdown(self) -> None:
         try:

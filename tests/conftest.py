@@ -1,0 +1,53 @@
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kernel import Kernel  # noqa: E402
+
+SETUP = """
+%load_ext jupyter_scale
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.utils.data import TensorDataset, DataLoader
+import jupyter_scale
+"""
+
+
+def wait_gone(processes, timeout=15.0):
+    """Processes still alive after `timeout` (zombies count as gone)."""
+    gone, alive = psutil.wait_procs(processes, timeout=timeout)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A real kernel with jupyter_scale loaded; afterwards nothing it started may remain."""
+    k = Kernel()
+    k.ok(SETUP)
+    yield k
+    k.cell("%scale stop", timeout=60)
+    leftovers = k.descendants()
+    k.shutdown()
+    still = wait_gone(leftovers)
+    for p in still:  # clean up what we started, by pid, before failing
+        p.kill()
+    assert not still, f"processes left behind by the kernel: {still}"
+
+
+@pytest.fixture
+def fresh_kernel():
+    k = Kernel()
+    k.ok(SETUP)
+    yield k
+    k.cell("%scale stop", timeout=60)
+    leftovers = k.descendants()
+    k.shutdown()
+    still = wait_gone(leftovers)
+    for p in still:
+        p.kill()
+    assert not still, f"processes left behind by the kernel: {still}"

@@ -1,0 +1,236 @@
+"""%%distribute end to end: a real kernel, a real ipyparallel cluster, real gloo."""
+
+import threading
+import pytest
+
+from conftest import wait_gone
+
+MODEL = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    def forward(self, x):
+        return self.body(x)
+
+torch.manual_seed(0)
+model = Net()
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(1024, 16, generator=g), torch.randint(0, 4, (1024,), generator=g))
+before = [p.detach().clone() for p in model.parameters()]
+"""
+
+TRAIN = """%%distribute --workers 2
+model = jupyter_scale.wrap(model)
+loader = jupyter_scale.shard(DataLoader(data, batch_size=32, shuffle=True))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        report(loss=loss)
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+steps_seen = len(loader) * 2
+print("trained", rank)
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(kernel):
+    kernel.ok(MODEL)
+    result = kernel.ok(TRAIN, timeout=240)
+    return result
+
+
+def test_notebook_model_gets_rank0_weights_and_ranks_are_bitwise_equal(kernel, trained):
+    kernel.ok("""
+ranks_weights = jupyter_scale.get_session().gather("weights")
+local = torch.cat([p.detach().flatten() for p in model.parameters()])
+assert len(ranks_weights) == 2
+assert torch.equal(ranks_weights[0], ranks_weights[1]), "ranks diverged"
+assert torch.equal(local, ranks_weights[0]), "notebook model != rank 0"
+assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "model did not change"
+assert type(model).__name__ == "Net"   # the notebook object, updated in place
+""")
+
+
+def test_each_rank_trained_on_its_own_shard(kernel, trained):
+    # 1024 samples / 2 ranks / batch 32 = 16 steps per epoch on each rank.
+    assert kernel.value("jupyter_scale.get_session().gather('steps_seen')") == [32, 32]
+    counts = kernel.value("[sum(1 for p in jupyter_scale.history() if p['rank'] == r) for r in (0, 1)]")
+    assert counts == [32, 32]  # every report() of both ranks is in the history
+
+
+def test_second_cell_sees_worker_variables(kernel, trained):
+    out = kernel.ok("""%%distribute
+print("still here", rank, type(opt).__name__, steps_seen, float(loss) > 0)
+""")
+    assert "[rank 0] still here 0 SGD 32 True" in out.stdout
+    assert "[rank 1] still here 1 SGD 32 True" in out.stdout
+
+
+def test_output_is_labelled_by_rank(kernel):
+    out = kernel.ok("%%distribute\nprint(rank)\nimport sys\nprint('err', rank, file=sys.stderr)")
+    assert "[rank 0] 0\n" in out.stdout and "[rank 1] 1\n" in out.stdout
+    assert "[rank 0] err 0\n" in out.stderr and "[rank 1] err 1\n" in out.stderr
+
+
+def test_output_arrives_while_the_cell_runs(kernel, tmp_path):
+    # The workers block until the test has seen their first line: if output only came
+    # at the end, the workers would wait out their deadline and the cell would fail.
+    flag = tmp_path / "seen"
+    seen = threading.Event()
+
+    def on_stream(name, text):
+        if "[rank 1] waiting" in text:
+            flag.write_text("ok")
+            seen.set()
+
+    out = kernel.cell(f"""%%distribute
+import time, pathlib
+print("waiting", flush=True)
+deadline = time.time() + 60
+while not pathlib.Path({str(flag)!r}).exists():
+    assert time.time() < deadline, "the kernel never saw my output"
+    time.sleep(0.05)
+print("released")
+""", on_stream=on_stream)
+    assert out.ok, out.error_text
+    assert seen.is_set()
+    assert "[rank 0] released" in out.stdout
+
+
+def test_torchrun_environment_and_injected_names(kernel):
+    out = kernel.ok("""%%distribute
+import os
+env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+assert env["RANK"] == str(rank) == str(dist.get_rank())
+assert env["WORLD_SIZE"] == str(world_size) == "2"
+assert env["LOCAL_RANK"] == str(local_rank) and env["LOCAL_WORLD_SIZE"] == "2"
+assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+assert dist.get_backend() == "gloo" and str(device) == "cpu"
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print("sum", t.item(), "port", env["MASTER_PORT"])
+""")
+    assert "[rank 0] sum 3.0" in out.stdout and "[rank 1] sum 3.0" in out.stdout
+
+
+def test_changed_names_are_resent_unchanged_big_tensor_is_not(kernel):
+    kernel.ok("big = torch.zeros(25_000_000)  # 100 MB\nsmall = 1")
+    read_both = "%%distribute\nprint('seen', small, float(big[0]), big.numel())"
+    first = kernel.ok(read_both)
+    assert "[rank 1] seen 1 0.0 25000000" in first.stdout
+    shipped = kernel.value("jupyter_scale.get_session().runs[-1].shipped")
+    assert shipped["big"] >= 100_000_000 and "small" in shipped
+
+    kernel.ok("small = 2")
+    second = kernel.ok(read_both)
+    assert "[rank 1] seen 2 0.0 25000000" in second.stdout
+    run = kernel.value("(r := jupyter_scale.get_session().runs[-1]).shipped, r.skipped")
+    shipped, skipped = run
+    assert "big" in skipped and "big" not in shipped
+    assert "small" in shipped
+    assert sum(shipped.values()) < 1_000_000  # the 100 MB were not sent again
+
+    kernel.ok("big.add_(1)")  # an in-place change must be seen
+    third = kernel.ok(read_both)
+    assert "[rank 0] seen 2 1.0 25000000" in third.stdout
+    kernel.ok("del big")
+    kernel.ok("%%distribute\ndel big")
+
+
+def test_error_on_rank_1_names_it_and_the_next_cell_works(kernel, trained):
+    failed = kernel.cell("""%%distribute
+if rank == 1:
+    raise ValueError("bad value on one rank")
+t = torch.ones(1)
+dist.all_reduce(t)   # rank 0 waits here for rank 1, which never comes
+""", timeout=60)
+    assert not failed.ok
+    assert failed.error["ename"] == "RemoteError"
+    text = failed.error_text
+    assert "rank 1 failed: ValueError: bad value on one rank" in text
+    assert 'raise ValueError("bad value on one rank")' in text  # rank 1's own traceback
+    # The next cell re-forms the group; the DDP model from before trains on.
+    again = kernel.ok("""%%distribute
+t = torch.ones(1)
+dist.all_reduce(t)
+x, y = next(iter(loader))
+loss = nn.functional.cross_entropy(model(x), y)
+loss.backward()
+print("sum", t.item())
+""", timeout=120)
+    assert "[rank 0] sum 2.0" in again.stdout and "[rank 1] sum 2.0" in again.stdout
+
+
+def test_unserializable_value_is_named_and_nothing_runs(kernel):
+    kernel.ok("import threading\nlock = threading.Lock()")
+    runs_before = kernel.value("len(jupyter_scale.get_session().runs)")
+    out = kernel.cell("%%distribute\nprint('ran on', rank)\nwith lock:\n    pass")
+    assert not out.ok
+    assert out.error["ename"] == "ShippingError"
+    assert "'lock'" in out.error["evalue"] and "lock" in out.error["evalue"].lower()
+    assert "ran on" not in out.stdout
+    assert kernel.value("len(jupyter_scale.get_session().runs)") == runs_before
+
+
+def test_pull_copies_rank0_values(kernel):
+    kernel.ok("%%distribute --pull result,name\nresult = [rank, world_size * 10]\nname = f'from rank {rank}'")
+    assert kernel.value("result") == [0, 20]
+    assert kernel.value("name") == "from rank 0"
+    missing = kernel.cell("%%distribute --pull nowhere\nx = 1")
+    assert missing.ok and "could not pull 'nowhere'" in missing.stderr
+
+
+def test_timeout_stops_a_slow_rank(kernel):
+    out = kernel.cell("""%%distribute --timeout 3
+import time
+if rank == 1:
+    time.sleep(120)
+""", timeout=60)
+    assert not out.ok
+    assert "rank 1 failed: TimeoutError" in out.error_text
+    kernel.ok("%%distribute\nprint('alive', rank)")
+
+
+def test_kernel_interrupt_stops_every_rank(kernel):
+    import time as _time
+
+    def interrupt_later():
+        _time.sleep(3)
+        kernel.manager.interrupt_kernel()
+
+    threading.Thread(target=interrupt_later, daemon=True).start()
+    out = kernel.cell("""%%distribute
+import time
+t0 = time.time()
+while time.time() - t0 < 120:
+    time.sleep(0.01)
+""", timeout=60)
+    assert not out.ok
+    assert out.error["ename"] == "KeyboardInterrupt"
+    after = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('reusable', t.item())")
+    assert "[rank 1] reusable 2.0" in after.stdout
+
+
+def test_rich_output_from_rank0_is_shown_once(kernel):
+    out = kernel.ok("%%distribute\nfrom IPython.display import display, HTML\ndisplay(HTML(f'<b>from rank {rank}</b>'))")
+    html = [d["text/html"] for d in out.displays if "text/html" in d]
+    assert html == ["<b>from rank 0</b>"]
+
+
+def test_resize_then_stop_leaves_no_process(kernel):
+    out = kernel.ok("%%distribute --workers 3\nprint('size', world_size)", timeout=120)
+    assert "resizing from 2 to 3 workers" in out.stdout
+    assert "[rank 2] size 3" in out.stdout
+    status = kernel.ok("%scale").stdout
+    assert "3 workers" in status and "rank 2: pid" in status
+    started = kernel.descendants()
+    assert len(started) >= 4  # controller + 3 engines (+ their nannies)
+    kernel.ok("%scale stop")
+    assert wait_gone(started) == []
+    assert kernel.descendants() == []
+    assert "no cluster running" in kernel.ok("%scale status").stdout

@@ -1,0 +1,67 @@
+"""The magics in a real kernel: loading starts nothing, bad input starts nothing."""
+
+import pytest
+
+
+def test_load_ext_starts_nothing_and_cells_run_locally(fresh_kernel):
+    k = fresh_kernel
+    assert k.descendants() == []
+    assert "no cluster running" in k.ok("%scale").stdout
+    # The same training cell, without %%distribute: helpers are no-ops, report is local.
+    k.ok("""
+model = nn.Linear(4, 2)
+loader = jupyter_scale.shard(DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4))
+model = jupyter_scale.wrap(model)
+for x, y in loader:
+    loss = nn.functional.cross_entropy(model(x), y)
+    report(loss=loss)
+assert isinstance(model, nn.Linear)
+assert len(jupyter_scale.history()) == 4
+""")
+    assert k.descendants() == []
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("%%distribute --workers 0", "--workers must be at least 1"),
+        ("%%distribute --workers -3", "--workers must be at least 1"),
+        ("%%distribute --workers abc", "--workers takes a whole number"),
+        ("%%distribute --bogus", "unrecognized arguments: --bogus"),
+        ("%%distribute --backend nosuch", "unknown backend 'nosuch'"),
+        ("%%distribute --timeout -1", "--timeout must be more than 0"),
+        ("%%distribute --timeout soon", "--timeout takes a number"),
+        ("%%distribute --pull 1x", "--pull takes comma-separated variable names"),
+        ("%scale explode", "invalid choice: 'explode'"),
+        ("%scale stop --workers 2", "--workers goes with start or restart"),
+    ],
+)
+def test_bad_arguments_are_one_line_usage_errors(kernel_for_usage, line, message):
+    k = kernel_for_usage
+    body = "\nprint('ran')" if line.startswith("%%") else ""
+    out = k.cell(line + body)
+    # IPython prints a UsageError as one line on stderr, with no traceback.
+    assert out.stderr.startswith("UsageError: "), out.stderr
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert "ran" not in out.stdout
+    assert k.descendants() == []  # nothing started
+
+
+def test_empty_cell_is_a_usage_error(kernel_for_usage):
+    for cell in ("%%distribute\n", "%%distribute\n   \n"):
+        out = kernel_for_usage.cell(cell)
+        assert out.stderr.startswith("UsageError: ") and "empty" in out.stderr or "needs a cell body" in out.stderr
+    assert kernel_for_usage.descendants() == []
+
+
+@pytest.fixture(scope="module")
+def kernel_for_usage():
+    from conftest import SETUP
+    from kernel import Kernel
+
+    k = Kernel()
+    k.ok(SETUP)
+    yield k
+    assert k.descendants() == []
+    k.shutdown()

@@ -1,0 +1,106 @@
+"""Unit tests for the worker-side helpers that need no cluster."""
+
+import socket
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import jupyter_scale
+from jupyter_scale import metrics, rendezvous, training
+from jupyter_scale.errors import RankFailure, RemoteError
+from jupyter_scale.session import _LineLabeler
+
+
+def test_helpers_are_no_ops_outside_distribute():
+    model = torch.nn.Linear(2, 2)
+    data = TensorDataset(torch.randn(10, 2))
+    loader = DataLoader(data, batch_size=2)
+    assert jupyter_scale.wrap(model) is model
+    assert jupyter_scale.shard(loader) is loader
+    assert jupyter_scale.shard(data) is data
+
+
+def test_epoch_aware_sampler_reshuffles_each_pass_and_honours_set_epoch():
+    data = list(range(20))
+    sampler = training.EpochAwareSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    first, second = list(sampler), list(sampler)
+    assert first != second  # a new pass is a new epoch
+    sampler.set_epoch(0)
+    assert list(sampler) == first  # explicit set_epoch wins
+    assert list(sampler) == second  # ...and counting resumes after it
+    other = training.EpochAwareSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    assert sorted(first + list(other)) == data  # disjoint shards covering the data
+
+
+@pytest.mark.parametrize(
+    "backend, local_rank, count, expected",
+    [("nccl", 0, 2, "cuda:0"), ("nccl", 3, 2, "cuda:1"), ("gloo", 1, 0, "cpu"), ("gloo", 1, 4, "cpu")],
+)
+def test_device_per_local_rank(backend, local_rank, count, expected):
+    assert str(rendezvous.select_device(backend, local_rank, count)) == expected
+
+
+def test_backend_choice():
+    assert rendezvous.select_backend([0, 0]) == "gloo"
+    assert rendezvous.select_backend([1, 0]) == "gloo"  # NCCL needs a GPU on every rank
+    expected = "nccl" if torch.distributed.is_nccl_available() else "gloo"
+    assert rendezvous.select_backend([2, 2]) == expected
+
+
+def test_store_listens_on_loopback_only_at_a_free_port():
+    store, port = rendezvous.open_store(rendezvous.LOOPBACK, 1, timeout=5)
+    try:
+        listening = [c for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        second, port2 = rendezvous.open_store(rendezvous.LOOPBACK, 1, timeout=5)
+        assert port2 != port
+        del second
+    finally:
+        del store
+
+
+def test_report_records_scalars_with_rank_and_step():
+    recorder = metrics.Recorder(rank=3)
+    recorder.report(loss=torch.tensor(0.5))
+    recorder.report(loss=0.25, acc=1, epoch=2)
+    recorder.report(step=10, loss=0.1)
+    points = recorder.drain()
+    assert [(p["rank"], p["step"]) for p in points] == [(3, 0), (3, 1), (3, 10)]
+    assert points[0]["loss"] == 0.5 and points[1]["epoch"] == 2 and points[1]["acc"] == 1.0
+    with pytest.raises(ValueError):
+        recorder.report(loss=torch.ones(3))
+    with pytest.raises(TypeError):
+        recorder.report(loss="high")
+    with pytest.raises(TypeError):
+        recorder.report()
+
+
+def test_line_labels_keep_partial_lines_per_rank():
+    labeler = _LineLabeler()
+    assert labeler.feed(0, "stdout", "hel") == ""
+    assert labeler.feed(1, "stdout", "a\nb") == "[rank 1] a\n"
+    assert labeler.feed(0, "stdout", "lo\n") == "[rank 0] hello\n"
+    assert labeler.flush() == [("stdout", "[rank 1] b\n")]
+
+
+def test_remote_error_blames_the_first_real_failure():
+    failures = [
+        RankFailure(0, "RuntimeError", "Connection closed by peer", "tb0", time=2.0),
+        RankFailure(2, "KeyboardInterrupt", "", "tb2", time=1.5, interrupted=True),
+        RankFailure(1, "ValueError", "bad", "Traceback...\nValueError: bad", time=1.0),
+    ]
+    error = RemoteError(failures)
+    assert error.rank == 1 and error.etype == "ValueError"
+    assert str(error).startswith("rank 1 failed: ValueError: bad")
+    rendered = "\n".join(error._render_traceback_())
+    assert "--- rank 1 traceback ---" in rendered and "rank 0: RuntimeError" in rendered
+
+
+def test_loopback_interface_exists():
+    name = rendezvous.loopback_interface()
+    assert name and name in {n for _, n in socket.if_nameindex()}
