@@ -43,6 +43,7 @@ class RankFailure:
     traceback: str
     time: float = 0.0
     interrupted: bool = False  # KeyboardInterrupt: stopped by us or the user, not a cause
+    lost: bool = False  # the worker process died
 
     @property
     def summary(self) -> str:
@@ -57,7 +58,10 @@ class RemoteError(DistributeError):
     """
 
     def __init__(self, failures: list[RankFailure], stopped: list[int] | None = None):
-        self.failures = sorted(failures, key=lambda f: (f.interrupted, f.time, f.rank))
+        # Which failure is the cause: a dead worker (its peers' collectives fail because
+        # it died, often before its death is noticed), else the earliest exception; ranks
+        # we interrupted come last.
+        self.failures = sorted(failures, key=lambda f: (not f.lost, f.interrupted, f.time, f.rank))
         first = self.failures[0]
         self.rank = first.rank
         self.etype = first.etype
@@ -73,5 +77,8 @@ class RemoteError(DistributeError):
         secondary = [f for f in self.failures[1:]]
         for f in secondary:
             lines.append(f"  rank {f.rank}: {f.summary}")
-        lines.append("The workers are still running; fix the cell and run it again.")
+        if any(f.lost for f in self.failures):
+            lines.append("A worker died: the next %%distribute restarts the cluster (or run %scale restart).")
+        else:
+            lines.append("The workers are still running; fix the cell and run it again.")
         return lines

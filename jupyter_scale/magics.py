@@ -146,6 +146,9 @@ def format_status(info: dict) -> str:
         text = (f"jupyter_scale: {info['backend']} cluster, {info['workers']} workers; process group "
                 f"{group.get('backend', '?')} at {group.get('master_addr', '?')}:{group.get('master_port', '?')}"
                 f"{'' if group.get('ready') else ' (re-forms at the next cell)'}")
+        if info.get("lost"):
+            text += (f"\n  the worker of rank(s) {info['lost']} died: the next %%distribute "
+                     "restarts the cluster (or run %scale restart)")
         for r in info.get("ranks", []):
             text += f"\n  rank {r['rank']}: pid {r['pid']} on {r['hostname']}, device {r.get('device', '?')}"
     if "last_run" in info:

@@ -91,6 +91,8 @@ class ScaleSession(LoggingConfigurable):
         self.runs: list[RunRecord] = []
         self._sent: dict[str, tuple] = {}  # name -> fingerprint of the value the workers hold
         self._group_ready = False
+        self._user_interrupted = False
+        self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
 
     # ------------------------------------------------------------------------------
     # Cluster
@@ -144,6 +146,11 @@ class ScaleSession(LoggingConfigurable):
         """A running cluster of `workers` (default: the current size, else the default)."""
         if not self.running:
             self.start(workers)
+        elif self._lost_workers:
+            n = workers or self.size
+            print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} died; restarting "
+                  f"the cluster with {n} workers (worker variables are lost)", flush=True)
+            self.restart(n)
         elif workers and workers != self.size:
             print(f"jupyter_scale: resizing from {self.size} to {workers} workers "
                   "(restarts the workers: their variables are lost)", flush=True)
@@ -156,6 +163,7 @@ class ScaleSession(LoggingConfigurable):
         if self.running:
             info.update(self.backend.describe())
             info["group"] = dict(self.group, ready=self._group_ready)
+            info["lost"] = list(self._lost_workers)
             info["ranks"] = [dict(rank=r, **w) for r, w in enumerate(self.workers)]
         if self.runs:
             last = self.runs[-1]
@@ -163,6 +171,7 @@ class ScaleSession(LoggingConfigurable):
         return info
 
     def _forget_workers(self) -> None:
+        self._lost_workers = []
         self.workers = []
         self.group = {}
         self._sent.clear()
@@ -251,11 +260,15 @@ class ScaleSession(LoggingConfigurable):
         record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
 
         if lost:
-            # A worker process is gone: the group cannot be reused as it is.
+            # A worker process is gone: the next cell restarts the cluster.
+            self._lost_workers = sorted(lost)
             self._group_ready = False
             self._sent.clear()
-        else:
+        elif all(h.get("received") for h in headers.values()):
             self._sent.update(fingerprints)
+        else:
+            for name in fingerprints:  # some rank may not hold the new value: send again
+                self._sent.pop(name, None)
         if any(not h.get("group_ready", False) for h in headers.values()):
             self._group_ready = False
         if failures:
@@ -319,7 +332,7 @@ class ScaleSession(LoggingConfigurable):
                         header, *rest = job.result(rank)
                     except WorkerLost as exc:
                         lost.append(rank)
-                        failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time()))
+                        failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True))
                         first_failure = first_failure or time.monotonic()
                         continue
                     headers[rank], frames_back[rank] = header, tuple(rest)
@@ -379,9 +392,13 @@ class ScaleSession(LoggingConfigurable):
             at += count
             value = shipping.loads(stream, buffers)
             if kind == "state_dict":
-                module = self.namespace[name]
-                with torch.no_grad():
-                    module.load_state_dict(value)
+                try:
+                    with torch.no_grad():
+                        self.namespace[name].load_state_dict(value)
+                except (RuntimeError, KeyError) as exc:  # the architecture changed on the workers
+                    print(f"jupyter_scale: could not update {name!r} with rank 0's weights: {exc}",
+                          file=sys.stderr, flush=True)
+                    continue
             else:
                 self.namespace[name] = value
             record.pulled.append(name)

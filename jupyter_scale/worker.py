@@ -158,8 +158,10 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     """
     started = time.time()
     rank = _state.rank
+    received = False
     try:
         _receive(request["names"], frames)
+        received = True
         _inject()
         _register_source(request["filename"], request["code"])
         code = compile(request["code"], request["filename"], "exec")
@@ -180,9 +182,9 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             "interrupted": isinstance(exc, KeyboardInterrupt),
         }
         return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
-                 "metrics": _state.recorder.drain(), "elapsed": failed_at - started},)
+                 "received": received, "metrics": _state.recorder.drain(), "elapsed": failed_at - started},)
     _flush()
-    header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready,
+    header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
               "metrics": _state.recorder.drain(), "elapsed": time.time() - started}
     out_frames: list = []
     if rank == 0:

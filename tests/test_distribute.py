@@ -1,6 +1,7 @@
 """%%distribute end to end: a real kernel, a real ipyparallel cluster, real gloo."""
 
 import threading
+import psutil
 import pytest
 
 from conftest import wait_gone
@@ -69,6 +70,10 @@ print("still here", rank, type(opt).__name__, steps_seen, float(loss) > 0)
 """)
     assert "[rank 0] still here 0 SGD 32 True" in out.stdout
     assert "[rank 1] still here 1 SGD 32 True" in out.stdout
+    # `model` was pulled back after training: the notebook and the workers agree, so it
+    # is not sent again (which would replace the workers' DDP model with a plain Net).
+    kernel.ok("%%distribute\nassert type(model).__name__ == 'DistributedDataParallel', type(model)")
+    assert "model" in kernel.value("jupyter_scale.get_session().runs[-1].skipped")
 
 
 def test_output_is_labelled_by_rank(kernel):
@@ -221,6 +226,23 @@ def test_rich_output_from_rank0_is_shown_once(kernel):
     html = [d["text/html"] for d in out.displays if "text/html" in d]
     assert html == ["<b>from rank 0</b>"]
 
+
+def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
+    pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    out = kernel.cell("""%%distribute
+import os
+if rank == 1:
+    os._exit(1)
+t = torch.ones(1)
+dist.all_reduce(t)
+""", timeout=60)
+    assert not out.ok
+    assert "rank 1 failed: WorkerLost" in out.error_text
+    assert "rank(s) [1]" in kernel.ok("%scale").stdout
+    again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
+    assert "died; restarting the cluster with 2 workers" in again.stdout
+    assert "[rank 1] sum 2.0" in again.stdout
+    assert wait_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)]) == []
 
 def test_resize_then_stop_leaves_no_process(kernel):
     out = kernel.ok("%%distribute --workers 3\nprint('size', world_size)", timeout=120)

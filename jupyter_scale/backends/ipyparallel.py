@@ -122,7 +122,8 @@ class IPyParallelBackend(Backend):
             try:
                 # Engines asked to exit through the API exit cleanly (code 0); a SIGTERM'd
                 # engine exits 1 and ipyparallel dumps its whole log into the notebook.
-                client.shutdown(targets="all", hub=False, block=True)
+                # Not blocking: a wedged engine would never answer; it is reaped below.
+                client.shutdown(targets="all", hub=False, block=False)
             except Exception:  # a dead engine cannot answer; stop_cluster below still reaps
                 log.debug("engine shutdown request failed", exc_info=True)
             client.close()
@@ -160,6 +161,10 @@ class IPyParallelBackend(Backend):
     def _require_client(self) -> ipp.Client:
         if self._client is None:
             raise ClusterError("no ipyparallel cluster is running")
+        registered = set(self._client.ids)
+        for rank, engine_id in enumerate(self._engine_ids):
+            if engine_id not in registered:
+                raise WorkerLost(rank, f"engine {engine_id} is no longer registered with the controller")
         return self._client
 
     def submit(self, fn: Callable, *args: Any) -> Job:
@@ -180,7 +185,10 @@ class IPyParallelBackend(Backend):
         return _IPPJob(client, combined, list(range(self.size)))
 
     def interrupt(self, ranks: list[int]) -> None:
-        client = self._require_client()
-        targets = [self._engine_ids[r] for r in ranks]
+        client = self._client
+        if client is None:
+            return
+        registered = set(client.ids)
+        targets = [self._engine_ids[r] for r in ranks if self._engine_ids[r] in registered]
         if targets:
             client.send_signal(signal.SIGINT, targets=targets, block=False)
