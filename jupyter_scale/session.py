@@ -79,7 +79,9 @@ class ScaleSession(LoggingConfigurable):
                              "(a torn-down process group unblocks them) before interrupting them.")
     stop_deadline = Float(15.0, config=True,
                           help="Seconds interrupted ranks get to stop before the cell gives up on them.")
-    poll_interval = Float(0.02, config=True, help="Seconds between checks for output and results.")
+    poll_interval = Float(0.1, config=True,
+                          help="Longest wait between checks for deadlines while a cell runs "
+                               "(results and output wake the kernel at once).")
 
     def __init__(self, namespace: dict | None = None, shell: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
@@ -356,7 +358,7 @@ class ScaleSession(LoggingConfigurable):
                     raise ClusterError(
                         f"ranks {stuck} did not stop within {self.stop_deadline:g} s of being "
                         "interrupted; run %scale restart to replace the workers")
-                time.sleep(self.poll_interval)
+                job.wait_activity(self.poll_interval)
             except KeyboardInterrupt:
                 # The user interrupted the kernel: pass it on to every rank, keep waiting
                 # (bounded by stop_deadline) so they are reusable afterwards.

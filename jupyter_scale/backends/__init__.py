@@ -60,14 +60,21 @@ class Job(abc.ABC):
     def release(self) -> None:
         """Drop whatever the engine keeps of this job (results can be large)."""
 
-    def wait(self, timeout: float, poll: float = 0.02) -> list[Any]:
+    def wait_activity(self, timeout: float) -> None:
+        """Block until a result or output may have arrived, or `timeout` passed.
+
+        Engines that can signal arrivals override this; polling is the fallback.
+        """
+        time.sleep(min(timeout, 0.02))
+
+    def wait(self, timeout: float, poll: float = 0.1) -> list[Any]:
         """Block until every rank finished; the results in rank order."""
         deadline = time.monotonic() + timeout
         while not all(self.done(r) for r in self.ranks):
             if time.monotonic() > deadline:
                 pending = [r for r in self.ranks if not self.done(r)]
                 raise ClusterError(f"ranks {pending} did not answer within {timeout:.0f} s")
-            time.sleep(poll)
+            self.wait_activity(poll)
         return [self.result(r) for r in self.ranks]
 
 

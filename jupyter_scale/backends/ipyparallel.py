@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from typing import Any, Callable
 
 import ipyparallel as ipp
@@ -29,6 +30,16 @@ class _IPPJob(Job):
         # One message future per rank, in rank order (engine ids were sorted at start).
         self._futures = list(async_result._children)
         self._seen = {r: {"stdout": 0, "stderr": 0, "outputs": 0} for r in ranks}
+        # Set from ipyparallel's IO thread on every result and output message, so the
+        # kernel wakes at once instead of polling on a timer.
+        self._activity = threading.Event()
+        for future in self._futures:
+            future.add_done_callback(lambda _f: self._activity.set())
+            future.iopub_callbacks.append(lambda _msg: self._activity.set())
+
+    def wait_activity(self, timeout: float) -> None:
+        self._activity.wait(timeout)
+        self._activity.clear()
 
     def done(self, rank: int) -> bool:
         return self._futures[rank].done()
