@@ -91,7 +91,7 @@ class ScaleSession(LoggingConfigurable):
         self.workers: list[dict] = []  # describe() of each rank
         self.group: dict = {}  # backend, master address/port of the current process group
         self.runs: list[RunRecord] = []
-        self._sent: dict[str, tuple] = {}  # name -> fingerprint of the value the workers hold
+        self.shipper = shipping.Shipper()  # what the workers hold of the notebook's values
         self._group_ready = False
         self._user_interrupted = False
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
@@ -176,7 +176,7 @@ class ScaleSession(LoggingConfigurable):
         self._lost_workers = []
         self.workers = []
         self.group = {}
-        self._sent.clear()
+        self.shipper = shipping.Shipper()
         self._group_ready = False
 
     def _form_group(self) -> None:
@@ -225,35 +225,30 @@ class ScaleSession(LoggingConfigurable):
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
-        # Serialize before any worker runs: an unpicklable value fails here, naming it.
-        payloads = shipping.dumps_named({n: self.namespace[n] for n in names})
+        # Pickle before any worker runs: an unpicklable value fails here, naming it.
+        plan = self.shipper.plan({n: self.namespace[n] for n in names})
         self.ensure(workers)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size)
         self.runs.append(record)
-
-        frames: list = []
-        shipped_names: list[tuple[str, int]] = []
-        fingerprints = {}
-        for name, payload in payloads.items():
-            fp = shipping.fingerprint(self.namespace[name], payload)
-            if self._sent.get(name) == fp:
-                record.skipped.append(name)
-                continue
-            fingerprints[name] = fp
-            shipped_names.append((name, len(payload.frames())))
-            frames.extend(payload.frames())
-            record.shipped[name] = payload.nbytes
+        shipment = self.shipper.prepare(plan)
+        record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
         modules = [n for n in names if isinstance(self.namespace[n], torch.nn.Module)]
         request = {
-            "names": shipped_names,
+            "names": shipment.names,
+            "updates": shipment.updates,
+            "forget": shipment.forget,
             "code": code,
             "filename": f"<distribute-cell-{record.index}>",
             "modules": modules,
             "pull": pull,
         }
-        job = self.backend.submit(worker.run_cell, request, *frames)
+        job = self.backend.submit(worker.run_cell, request, *shipment.frames)
         try:
             headers, frames_back, failures, lost = self._wait(job, record, timeout)
+        except BaseException:
+            record.status = "failed"
+            self.shipper.discard()
+            raise
         finally:
             job.release()
         record.elapsed = time.time() - record.started
@@ -265,19 +260,17 @@ class ScaleSession(LoggingConfigurable):
             # A worker process is gone: the next cell restarts the cluster.
             self._lost_workers = sorted(lost)
             self._group_ready = False
-            self._sent.clear()
-        elif all(h.get("received") for h in headers.values()):
-            self._sent.update(fingerprints)
+        if not lost and all(h.get("received") for h in headers.values()):
+            self.shipper.commit(shipment)
         else:
-            for name in fingerprints:  # some rank may not hold the new value: send again
-                self._sent.pop(name, None)
+            self.shipper.discard()  # some rank may not hold the new values: send again
         if any(not h.get("group_ready", False) for h in headers.values()):
             self._group_ready = False
         if failures:
             error = RemoteError(failures)
             record.status = "interrupted" if all(f.interrupted for f in failures) else "failed"
             record.error = str(error)
-            if record.status == "interrupted" and getattr(self, "_user_interrupted", False):
+            if record.status == "interrupted" and self._user_interrupted:
                 raise KeyboardInterrupt(f"interrupted; ranks stopped: {sorted(f.rank for f in failures)}")
             raise error
         record.status = "finished"
@@ -392,21 +385,20 @@ class ScaleSession(LoggingConfigurable):
         for name, kind, count in header.get("pulled", []):
             stream, buffers = frames[at], frames[at + 1: at + count]
             at += count
-            value = shipping.loads(stream, buffers)
-            if kind == "state_dict":
-                try:
+            try:
+                value = shipping.loads(stream, buffers)
+                if kind == "state_dict":
                     with torch.no_grad():
                         self.namespace[name].load_state_dict(value)
-                except (RuntimeError, KeyError) as exc:  # the architecture changed on the workers
-                    print(f"jupyter_scale: could not update {name!r} with rank 0's weights: {exc}",
-                          file=sys.stderr, flush=True)
-                    continue
-            else:
-                self.namespace[name] = value
+                else:
+                    self.namespace[name] = value
+            except Exception as exc:  # e.g. the architecture changed, or a class is missing here
+                print(f"jupyter_scale: could not pull {name!r} back: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+                continue
             record.pulled.append(name)
             # The notebook now holds what the workers hold: don't send it back unchanged.
-            payload = shipping.dumps(self.namespace[name])
-            self._sent[name] = shipping.fingerprint(self.namespace[name], payload)
+            self.shipper.mark_synced(name, self.namespace[name])
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
 

@@ -1,36 +1,43 @@
 """Which notebook names a cell needs, and how their values travel.
 
 Values are pickled by value with cloudpickle (so classes and functions defined in the
-notebook travel too), with pickle protocol 5: the bytes of CPU tensors and numpy arrays
-leave the pickle stream as out-of-band buffers, which the engines send as separate
-frames without copying them into the stream.
+notebook travel too), with pickle protocol 5: the bytes of tensors and numpy arrays leave
+the pickle stream as out-of-band buffers, which the engines send as separate frames
+without copying them into the stream.
 
-A `Payload` is the in-band pickle plus its buffers; `Fingerprint` decides whether a value
-changed since it was last sent, cheaply: tensors are compared by identity, storage
-pointer and torch's in-place version counter, everything else by a hash of its bytes.
+Kernel to workers (`Shipper` / `Receiver`): every tensor is sent as a persistent
+reference with an identity token. The workers keep one tensor per token, so
+
+- a tensor shared by several names (a model's parameters and the optimizer that holds
+  them) stays one tensor on the workers, across names and across cells;
+- a tensor whose bytes did not change is not sent again, only its token;
+- a tensor that changed is updated in place on the workers (same object), so every
+  worker object that holds it sees the new values.
+
+Whether a name changed is decided by a content digest: its pickle (with each tensor
+replaced by its identity and the xxh3 hash of its bytes) hashed again.
 """
 
 from __future__ import annotations
 
 import ast
-import builtins
-import hashlib
 import io
+import itertools
 import pickle
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import cloudpickle
+import numpy as np
 import torch
+import xxhash
 
 from .errors import ShippingError
 
 # --------------------------------------------------------------------------------------
 # Free-name analysis
 # --------------------------------------------------------------------------------------
-
-_BUILTINS = frozenset(dir(builtins))
-
 
 class _FreeNames(ast.NodeVisitor):
     """Collect the names a cell reads before it binds them itself.
@@ -279,147 +286,364 @@ def free_names(source: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------
-# Serialization by value with out-of-band tensor buffers
+# Tensors as (identity, bytes)
 # --------------------------------------------------------------------------------------
 
 
-def _rebuild_tensor(buffer, dtype, shape, stride, offset, requires_grad):
-    # The received frame may be read-only and owned by the transport: copy it into
-    # memory the tensor owns (one memcpy per worker).
-    raw = torch.frombuffer(bytearray(buffer), dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
-    flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
-    tensor = torch.as_strided(flat, shape, stride, offset)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
-
-
-def _rebuild_parameter(tensor_args, requires_grad):
-    return torch.nn.Parameter(_rebuild_tensor(*tensor_args[:5], False), requires_grad=requires_grad)
-
-
-def _plain_cpu_tensor(obj: Any) -> bool:
+def _shippable_tensor(obj: Any) -> bool:
     return (
-        type(obj) is torch.Tensor
-        and obj.device.type == "cpu"
+        type(obj) in (torch.Tensor, torch.nn.Parameter)
         and obj.layout == torch.strided
+        and obj.device.type in ("cpu", "cuda")
         and not obj.is_quantized
         and not obj.is_neg()
         and not obj.is_conj()
-        and obj.grad_fn is None  # non-leaf tensors pickle as their data, as torch does
     )
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with plain CPU tensors sent as out-of-band buffers of their storage."""
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, tuple]:
+    """The tensor's elements as a flat uint8 array (a view when it can be) and its meta.
 
-    def __init__(self, file, buffer_callback):
-        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
-        self.tensor_keys: list[tuple] = []
+    A view is sent as its own elements, not its base's whole storage; on the workers it
+    becomes a tensor of its own.
+    """
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous()
+    array = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else np.empty(0, np.uint8)
+    requires_grad = tensor.requires_grad and tensor.grad_fn is None  # non-leaf: just data
+    meta = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), requires_grad,
+            type(tensor) is torch.nn.Parameter, tensor.device.type)
+    return array, meta
 
-    def reducer_override(self, obj):
-        if _plain_cpu_tensor(obj):
-            return self._reduce_tensor(obj)
-        if type(obj) is torch.nn.Parameter and _plain_cpu_tensor(obj.detach()):
-            # Parameter's own reduce goes through `.data`, whose version counter is not
-            # the parameter's: in-place updates would go unnoticed by `fingerprint`.
-            rebuild, args = self._reduce_tensor(obj)
-            return _rebuild_parameter, (args, obj.requires_grad)
-        return super().reducer_override(obj)
 
-    def _reduce_tensor(self, tensor: torch.Tensor):
-        data = tensor.detach()
-        whole_storage = (
-            data.is_contiguous()
-            and data.storage_offset() == 0
-            and data.numel() * data.element_size() == data.untyped_storage().nbytes()
-        )
-        if not whole_storage:
-            # A view into a larger storage: send just its elements, not the whole storage.
-            data = data.contiguous().clone()
-        flat = data.reshape(-1).view(torch.uint8) if data.numel() else None
-        if flat is None:
-            buffer = pickle.PickleBuffer(b"")
-        else:
-            array = flat.numpy()
-            buffer = pickle.PickleBuffer(array)
-            if whole_storage:
-                # Identified by address + version instead of hashing the bytes.
-                self.tensor_keys.append((array.ctypes.data, array.nbytes, tensor._version))
-        return (
-            _rebuild_tensor,
-            (buffer, tensor.dtype, tuple(tensor.shape), tuple(data.stride()), 0, tensor.requires_grad),
-        )
+def _build_tensor(meta: tuple, buffer, device: torch.device | None) -> torch.Tensor:
+    dtype_name, shape, requires_grad, is_parameter, device_type = meta
+    dtype = getattr(torch, dtype_name)
+    # The received frame may be read-only and owned by the transport: copy it into
+    # memory the tensor owns (one memcpy per worker).
+    raw = torch.frombuffer(bytearray(buffer), dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    tensor = (raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)).reshape(shape)
+    if device_type == "cuda" and device is not None and device.type == "cuda":
+        tensor = tensor.to(device)  # a notebook GPU tensor lands on this rank's GPU
+    if is_parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return xxhash.xxh3_128(memoryview(array)).digest()
+
+
+# --------------------------------------------------------------------------------------
+# Kernel side
+# --------------------------------------------------------------------------------------
 
 
 @dataclass
-class Payload:
-    """One pickled value: the in-band stream plus its out-of-band buffers."""
+class _Known:
+    """A notebook tensor the workers hold, and the digest of the bytes they hold."""
 
-    stream: bytes
-    buffers: list[memoryview]
-    tensor_keys: list[tuple] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.stream) + sum(b.nbytes for b in self.buffers)
-
-    def frames(self) -> list:
-        return [self.stream, *self.buffers]
+    token: int
+    ref: weakref.ref
+    digest: bytes
+    meta: tuple
 
 
-def dumps(value: Any) -> Payload:
+@dataclass
+class _NameState:
+    """What the workers hold for one name: its structure, and its tensors' digests."""
+
+    structure: bytes
+    tensor_digests: dict[int, bytes]  # id(tensor) -> digest, for tensors not in the registry
+
+
+@dataclass
+class Plan:
+    """The values a cell reads, each one's structure digest and tensors, hashed once."""
+
+    values: dict[str, Any]
+    structure: dict[str, bytes] = field(default_factory=dict)
+    tensor_keys: dict[str, list[int]] = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)  # id -> (tensor, array, digest, meta)
+
+
+@dataclass
+class Shipment:
+    """What one cell sends: changed names, in-place tensor updates, and their frames."""
+
+    names: list[tuple[str, int]] = field(default_factory=list)  # (name, frame count)
+    updates: list[tuple[int, tuple]] = field(default_factory=list)  # (token, meta), one frame each
+    frames: list = field(default_factory=list)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    forget: list[int] = field(default_factory=list)
+
+
+class _StructurePickler(cloudpickle.Pickler):
+    """Pickles for the structure digest: each tensor is (identity, dtype/shape), no bytes."""
+
+    def __init__(self, file, tensors: dict):
+        super().__init__(file, protocol=5, buffer_callback=self._hash_buffer)
+        self.tensors = tensors  # id -> (tensor, array, digest, meta), shared with _ShipPickler
+        self.keys: list[int] = []
+        self.buffer_digests: list[bytes] = []
+
+    def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:  # numpy arrays and the like
+        self.buffer_digests.append(xxhash.xxh3_128(buffer.raw()).digest())
+
+    def persistent_id(self, obj):
+        if not _shippable_tensor(obj):
+            return None
+        found = self.tensors.get(id(obj))
+        if found is None:
+            array, meta = _tensor_bytes(obj)
+            found = self.tensors[id(obj)] = (obj, array, _digest(array), meta)
+        if id(obj) not in self.keys:
+            self.keys.append(id(obj))
+        return ("t", id(obj), found[3])
+
+
+class _ShipPickler(cloudpickle.Pickler):
+    """Pickles for the workers: each tensor becomes a reference to its token."""
+
+    def __init__(self, file, shipper: "Shipper", tensors: dict, buffers: list):
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self.shipper = shipper
+        self.tensors = tensors
+
+    def persistent_id(self, obj):
+        if not _shippable_tensor(obj):
+            return None
+        return self.shipper._reference(obj, self.tensors)
+
+
+class Shipper:
+    """Kernel side: what the workers hold, and what a cell must send them.
+
+    A name is sent again when its structure changed (anything but tensor bytes: a new
+    object, an attribute, a shape) or when a tensor the registry does not track changed.
+    A tracked tensor whose bytes changed is sent alone and updated in place, so objects
+    holding it on the workers (an optimizer holding a model's parameters) keep working.
+    `plan` pickles and hashes; `prepare` builds the shipment; `commit` records it once
+    every worker received it (a failed delivery is simply prepared again next time).
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, _Known] = {}  # id(tensor) -> what the workers hold
+        self._names: dict[str, _NameState] = {}
+        self._forgotten: list[int] = []
+        self._tokens = itertools.count(1)
+        self._pending_tensors: dict[int, _Known] = {}
+        self._pending_names: dict[str, _NameState] = {}
+        self._in_shipment: dict[int, int] = {}  # id -> token, within one prepare()
+
+    def _structure(self, value: Any, tensors: dict) -> tuple[bytes, list[int]]:
+        file = io.BytesIO()
+        pickler = _StructurePickler(file, tensors)
+        pickler.dump(value)
+        h = xxhash.xxh3_128(file.getvalue())
+        h.update(repr(id(value)).encode())  # a new object is a new value, even if equal
+        for d in pickler.buffer_digests:
+            h.update(d)
+        return h.digest(), pickler.keys
+
+    def plan(self, values: dict[str, Any]) -> Plan:
+        """Pickle and hash every value; the first one that cannot be pickled is named."""
+        plan = Plan(values)
+        for name, value in values.items():
+            try:
+                plan.structure[name], plan.tensor_keys[name] = self._structure(value, plan.tensors)
+            except Exception as exc:  # pickling raises many types: TypeError, PicklingError, ...
+                raise ShippingError(name, value, exc) from exc
+        return plan
+
+    def _held_digest(self, key: int, obj: Any, state: _NameState | None) -> bytes | None:
+        known = self._known.get(key)
+        if known is not None and known.ref() is obj:
+            return known.digest
+        return state.tensor_digests.get(key) if state else None
+
+    def prepare(self, plan: Plan) -> Shipment:
+        shipment = Shipment(forget=list(self._forgotten))
+        self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
+        updates: list[tuple[str, int]] = []  # (name, key) of tracked tensors to update
+        for name, value in plan.values.items():
+            state = self._names.get(name)
+            keys = plan.tensor_keys[name]
+            same_structure = state is not None and state.structure == plan.structure[name]
+            untracked_changed = any(
+                key not in self._known and self._held_digest(key, plan.tensors[key][0], state) != plan.tensors[key][2]
+                for key in keys
+            )
+            if same_structure and not untracked_changed:
+                shipment.skipped.append(name)
+                updates.extend((name, key) for key in keys)
+                continue
+            buffers: list[pickle.PickleBuffer] = []
+            file = io.BytesIO()
+            try:
+                _ShipPickler(file, self, plan.tensors, buffers).dump(value)
+            except Exception as exc:  # the plan pickled it already; be safe all the same
+                raise ShippingError(name, value, exc) from exc
+            frames = [file.getvalue(), *(b.raw() for b in buffers)]
+            shipment.names.append((name, len(frames)))
+            shipment.frames.extend(frames)
+            shipment.nbytes[name] = sum(memoryview(f).nbytes for f in frames)
+            self._pending_names[name] = _NameState(plan.structure[name], {})
+        for name, key in updates:
+            obj, array, digest, meta = plan.tensors[key]
+            known = self._known.get(key)
+            if key in self._in_shipment or known is None or known.ref() is not obj or known.digest == digest:
+                continue
+            self._in_shipment[key] = known.token
+            self._pending_tensors[key] = _Known(known.token, known.ref, digest, meta)
+            shipment.updates.append((known.token, meta))
+            shipment.frames.append(memoryview(array))
+            shipment.nbytes[name] = shipment.nbytes.get(name, 0) + array.nbytes
+        return shipment
+
+    def _reference(self, obj: torch.Tensor, tensors: dict):
+        key = id(obj)
+        if key in self._in_shipment:  # second sighting in this cell: already on its way
+            return ("ref", self._in_shipment[key])
+        _, array, digest, meta = tensors[key]  # filled by the plan
+        known = self._known.get(key)
+        if known is not None and known.ref() is obj:
+            self._in_shipment[key] = known.token
+            if known.digest == digest and known.meta == meta:
+                return ("ref", known.token)
+            self._pending_tensors[key] = _Known(known.token, known.ref, digest, meta)
+            return ("update", known.token, meta, pickle.PickleBuffer(array))
+        token = next(self._tokens)
+        self._in_shipment[key] = token
+        self._pending_tensors[key] = _Known(token, weakref.ref(obj), digest, meta)
+        return ("new", token, meta, pickle.PickleBuffer(array))
+
+    def commit(self, shipment: Shipment) -> None:
+        """Every worker received `shipment`."""
+        for key, known in self._pending_tensors.items():
+            obj = known.ref()
+            if obj is None:
+                continue
+            if key not in self._known:
+                # When the notebook's tensor goes away, the workers may drop theirs.
+                weakref.finalize(obj, self._forget, key, known.token)
+            self._known[key] = known
+        self._names.update(self._pending_names)
+        forgotten = set(shipment.forget)
+        self._forgotten = [t for t in self._forgotten if t not in forgotten]
+        self.discard()
+
+    def discard(self) -> None:
+        """A shipment did not reach every worker: it is prepared again next time."""
+        self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
+
+    def mark_synced(self, name: str, value: Any) -> None:
+        """The workers hold what the notebook's `value` holds now (after a pull-back)."""
+        tensors: dict = {}
+        structure, keys = self._structure(value, tensors)
+        untracked = {}
+        for key in keys:
+            obj, _, digest, meta = tensors[key]
+            known = self._known.get(key)
+            if known is not None and known.ref() is obj:
+                known.digest, known.meta = digest, meta
+            else:
+                untracked[key] = digest
+        self._names[name] = _NameState(structure, untracked)
+
+    def _forget(self, key: int, token: int) -> None:
+        known = self._known.get(key)
+        if known is not None and known.token == token:
+            del self._known[key]
+            self._forgotten.append(token)
+
+
+# --------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------
+
+
+class _ReceiveUnpickler(pickle.Unpickler):
+    def __init__(self, file, buffers, receiver: "Receiver"):
+        super().__init__(file, buffers=buffers)
+        self.receiver = receiver
+
+    def persistent_load(self, pid):
+        return self.receiver._resolve(pid)
+
+
+class Receiver:
+    """Worker side: one tensor per token, for as long as the notebook holds its own."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.device: torch.device | None = None
+
+    def receive(self, request: dict, frames: tuple) -> dict:
+        """Apply a Shipment: forget, unpickle the names, update tensors in place."""
+        for token in request.get("forget", ()):
+            self.tensors.pop(token, None)
+        values, at = {}, 0
+        for name, count in request.get("names", ()):
+            stream, buffers = frames[at], frames[at + 1: at + count]
+            at += count
+            values[name] = _ReceiveUnpickler(io.BytesIO(stream), list(buffers), self).load()
+        for token, meta in request.get("updates", ()):
+            self._resolve(("update", token, meta, frames[at]))
+            at += 1
+        return values
+
+    def _resolve(self, pid):
+        kind, token = pid[0], pid[1]
+        if kind == "ref":
+            return self.tensors[token]
+        meta, buffer = pid[2], pid[3]
+        fresh = _build_tensor(meta, buffer, self.device)
+        if kind == "update" and token in self.tensors:
+            held = self.tensors[token]
+            with torch.no_grad():
+                if held.shape == fresh.shape and held.dtype == fresh.dtype:
+                    held.copy_(fresh)  # same object: everything holding it sees the change
+                else:
+                    held.data = fresh.data.to(held.device)
+            if held.is_leaf:
+                held.requires_grad_(fresh.requires_grad)
+            return held
+        self.tensors[token] = fresh
+        return fresh
+
+
+# --------------------------------------------------------------------------------------
+# By value, both ways (pull-back, gather): tensors as out-of-band buffers
+# --------------------------------------------------------------------------------------
+
+
+class _ValuePickler(cloudpickle.Pickler):
+    def __init__(self, file, buffers: list):
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+
+    def persistent_id(self, obj):
+        if not _shippable_tensor(obj):
+            return None
+        array, meta = _tensor_bytes(obj)
+        return ("value", meta, pickle.PickleBuffer(array))
+
+
+class _ValueUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        return _build_tensor(pid[1], pid[2], None)
+
+
+def dumps(value: Any) -> list:
+    """Frames (stream, *buffers) of `value`, tensors by value, out of band."""
     buffers: list[pickle.PickleBuffer] = []
     file = io.BytesIO()
-    pickler = _Pickler(file, buffer_callback=buffers.append)
-    pickler.dump(value)
-    views = [b.raw() for b in buffers]
-    return Payload(file.getvalue(), views, pickler.tensor_keys)
+    _ValuePickler(file, buffers).dump(value)
+    return [file.getvalue(), *(b.raw() for b in buffers)]
 
 
 def loads(stream, buffers) -> Any:
-    return pickle.loads(stream, buffers=list(buffers))
-
-
-def dumps_named(values: dict[str, Any]) -> dict[str, Payload]:
-    """Pickle each value on its own; the first failure names its variable."""
-    out = {}
-    for name, value in values.items():
-        try:
-            out[name] = dumps(value)
-        except Exception as exc:  # pickling raises many types: TypeError, PicklingError, ...
-            raise ShippingError(name, value, exc) from exc
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# Change detection
-# --------------------------------------------------------------------------------------
-
-
-def fingerprint(value: Any, payload: Payload) -> tuple:
-    """A key that changes whenever the value a worker would receive changes.
-
-    The in-band stream is hashed (it holds everything but tensor and array bytes).
-    Tensor bytes are identified by storage pointer, size and torch's version counter,
-    which every in-place op bumps, so a 100 MB weight is never hashed. Other out-of-band
-    buffers (numpy arrays) are hashed. Writing to a tensor through a numpy view bypasses
-    the version counter; that is the one change this misses (documented in the README).
-    """
-    digest = hashlib.blake2b(payload.stream, digest_size=16)
-    tensor_bytes = {key[0] for key in payload.tensor_keys}
-    for buffer in payload.buffers:
-        address = _address(buffer)
-        if address is not None and address in tensor_bytes:
-            continue
-        digest.update(buffer)
-    return (id(value), digest.hexdigest(), tuple(payload.tensor_keys))
-
-
-def _address(buffer: memoryview) -> int | None:
-    try:
-        import numpy as np
-
-        return np.frombuffer(buffer, dtype=np.uint8).ctypes.data if buffer.nbytes else None
-    except (ValueError, TypeError):
-        return None
+    return _ValueUnpickler(io.BytesIO(stream), buffers=list(buffers)).load()

@@ -35,6 +35,7 @@ class _WorkerState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     namespace: dict = field(default_factory=lambda: {"__name__": "__main__", "__builtins__": __builtins__})
     recorder: Recorder = field(default_factory=Recorder)
+    receiver: shipping.Receiver = field(default_factory=shipping.Receiver)
     store: Any = None  # rank 0 hosts the TCPStore; it must outlive the group
     group_ready: bool = False
     group_sockets: set = field(default_factory=set)  # what abort_group cuts
@@ -126,16 +127,6 @@ def _inject() -> None:
     )
 
 
-def _receive(names: list[tuple[str, int]], frames: tuple) -> None:
-    values = {}
-    at = 0
-    for name, count in names:
-        stream, buffers = frames[at], frames[at + 1: at + count]
-        at += count
-        values[name] = shipping.loads(stream, buffers)
-    _state.namespace.update(values)
-
-
 def _user_traceback(exc: BaseException) -> str:
     """The traceback without this module's frames (the user's code starts below them)."""
     tb = exc.__traceback__
@@ -160,7 +151,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     rank = _state.rank
     received = False
     try:
-        _receive(request["names"], frames)
+        _state.receiver.device = _state.device
+        _state.namespace.update(_state.receiver.receive(request, frames))
         received = True
         _inject()
         _register_source(request["filename"], request["code"])
@@ -193,33 +185,32 @@ def run_cell(request: dict, *frames: Any) -> tuple:
 
 
 def _pack_pulls(request: dict, out_frames: list) -> tuple[list, dict]:
-    """Rank 0's module weights and --pull values, as (name, kind, frame count)."""
+    """Rank 0's module weights and --pull values, as (name, kind, frame count).
+
+    A name that cannot be packed is reported by name; it never fails the cell.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     ns = _state.namespace
     pulled, errors = [], {}
-    for name in request.get("modules", []):
-        value = ns.get(name)
-        if isinstance(value, DistributedDataParallel):
-            value = value.module
-        if not isinstance(value, torch.nn.Module):
-            errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
-            continue
-        state = {k: v.detach().cpu() for k, v in value.state_dict().items()}
-        payload = shipping.dumps(state)
-        out_frames.extend(payload.frames())
-        pulled.append((name, "state_dict", len(payload.frames())))
-    for name in request.get("pull", []):
+    wanted = [(n, "state_dict") for n in request.get("modules", [])] + [(n, "value") for n in request.get("pull", [])]
+    for name, kind in wanted:
         if name not in ns:
             errors[name] = "is not defined on the workers"
             continue
+        value = ns[name]
+        if isinstance(value, DistributedDataParallel):
+            value = value.module  # the wrapper holds a process group; the model travels
+        if kind == "state_dict" and not isinstance(value, torch.nn.Module):
+            errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
+            continue
         try:
-            payload = shipping.dumps(ns[name])
+            frames = shipping.dumps(value.state_dict() if kind == "state_dict" else value)
         except Exception as exc:  # pickling raises many types
             errors[name] = f"cannot be sent back: {type(exc).__name__}: {exc}"
             continue
-        out_frames.extend(payload.frames())
-        pulled.append((name, "value", len(payload.frames())))
+        out_frames.extend(frames)
+        pulled.append((name, kind, len(frames)))
     return pulled, errors
 
 
@@ -227,8 +218,7 @@ def gather_value(name: str) -> tuple:
     """This worker's value of `name` (for Session.gather)."""
     if name not in _state.namespace:
         return ({"rank": _state.rank, "missing": True},)
-    payload = shipping.dumps(_state.namespace[name])
-    return ({"rank": _state.rank, "missing": False}, *payload.frames())
+    return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name]))
 
 
 def _flush() -> None:

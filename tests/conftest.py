@@ -1,5 +1,4 @@
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -24,12 +23,14 @@ def wait_gone(processes, timeout=15.0):
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    """A real kernel with jupyter_scale loaded; afterwards nothing it started may remain."""
+def _started_kernel():
     k = Kernel()
     k.ok(SETUP)
-    yield k
+    return k
+
+
+def _stop_and_check(k):
+    """%scale stop, shut the kernel down, and fail if anything it started survives."""
     k.cell("%scale stop", timeout=60)
     leftovers = k.descendants()
     k.shutdown()
@@ -39,15 +40,16 @@ def kernel():
     assert not still, f"processes left behind by the kernel: {still}"
 
 
+@pytest.fixture(scope="module")
+def kernel():
+    """A real kernel with jupyter_scale loaded; afterwards nothing it started may remain."""
+    k = _started_kernel()
+    yield k
+    _stop_and_check(k)
+
+
 @pytest.fixture
 def fresh_kernel():
-    k = Kernel()
-    k.ok(SETUP)
+    k = _started_kernel()
     yield k
-    k.cell("%scale stop", timeout=60)
-    leftovers = k.descendants()
-    k.shutdown()
-    still = wait_gone(leftovers)
-    for p in still:
-        p.kill()
-    assert not still, f"processes left behind by the kernel: {still}"
+    _stop_and_check(k)

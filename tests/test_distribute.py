@@ -76,6 +76,19 @@ print("still here", rank, type(opt).__name__, steps_seen, float(loss) > 0)
     assert "model" in kernel.value("jupyter_scale.get_session().runs[-1].skipped")
 
 
+def test_optimizer_built_in_the_notebook_trains_the_shipped_model(kernel):
+    # opt holds model's parameters: on the workers it must hold the same tensors.
+    kernel.ok("lin = nn.Linear(4, 1)\nlin_opt = torch.optim.SGD(lin.parameters(), lr=0.5)\n"
+              "lin_before = lin.weight.detach().clone()")
+    kernel.ok("""%%distribute
+for _ in range(3):
+    lin_opt.zero_grad()
+    lin(torch.ones(2, 4)).sum().backward()
+    lin_opt.step()
+assert lin_opt.param_groups[0]["params"][0] is lin.weight
+""")
+    assert kernel.value("bool((lin.weight != lin_before).all())") is True
+
 def test_output_is_labelled_by_rank(kernel):
     out = kernel.ok("%%distribute\nprint(rank)\nimport sys\nprint('err', rank, file=sys.stderr)")
     assert "[rank 0] 0\n" in out.stdout and "[rank 1] 1\n" in out.stdout
@@ -226,6 +239,16 @@ def test_rich_output_from_rank0_is_shown_once(kernel):
     html = [d["text/html"] for d in out.displays if "text/html" in d]
     assert html == ["<b>from rank 0</b>"]
 
+
+def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
+    kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)")  # group formed and used
+    listening = []
+    for process in kernel.descendants():
+        for conn in process.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                listening.append((process.pid, conn.laddr.ip, conn.laddr.port))
+    assert len(listening) >= 4  # controller, engines, TCPStore, gloo
+    assert {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
 
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
     pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
