@@ -112,7 +112,9 @@ def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
     before = tcp_socket_inodes()
     # No short collective timeout: a 30-minute training step is normal. A failing rank
     # unblocks its peers' collectives by cutting its connections (see abort_group).
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    # The real one, also when a worker has replaced it for torchrun-style cells.
+    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+    init(backend, store=store, rank=rank, world_size=world_size)
     return tcp_socket_inodes() - before
 
 

@@ -146,11 +146,13 @@ class ScaleSession(LoggingConfigurable):
 
     def ensure(self, workers: int | None = None) -> None:
         """A running cluster of `workers` (default: the current size, else the default)."""
+        if self.running and not self._lost_workers:
+            self._lost_workers = self.backend.dead_ranks()  # died between cells
         if not self.running:
             self.start(workers)
         elif self._lost_workers:
             n = workers or self.size
-            print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} died; restarting "
+            print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} is gone; restarting "
                   f"the cluster with {n} workers (worker variables are lost)", flush=True)
             self.restart(n)
         elif workers and workers != self.size:
@@ -315,6 +317,12 @@ class ScaleSession(LoggingConfigurable):
             if running and interrupted_at is None:
                 log.info("interrupting ranks %s: %s", running, reason)
                 backend.interrupt(running)
+                # A rank blocked inside a collective does not see SIGINT until it
+                # returns: ranks that already finished cut their connections, which
+                # makes that collective fail.
+                finished = [r for r in headers if r not in lost]
+                if finished:  # fire and forget: the reply is tiny
+                    backend.submit(worker.leave_group, ranks=finished)
                 interrupted_at = time.monotonic()
 
         while True:
@@ -348,9 +356,10 @@ class ScaleSession(LoggingConfigurable):
                 if interrupted_at is not None and now - interrupted_at > self.stop_deadline:
                     stuck = [r for r in job.ranks if r not in headers and r not in lost]
                     self._group_ready = False
+                    self._lost_workers = stuck  # the next cell replaces them
                     raise ClusterError(
                         f"ranks {stuck} did not stop within {self.stop_deadline:g} s of being "
-                        "interrupted; run %scale restart to replace the workers")
+                        "interrupted; the next %%distribute restarts the workers")
                 job.wait_activity(self.poll_interval)
             except KeyboardInterrupt:
                 # The user interrupted the kernel: pass it on to every rank, keep waiting

@@ -48,6 +48,7 @@ class _FreeNames(ast.NodeVisitor):
     not run, so a later read still takes the notebook's value when there is one. Reads
     inside functions, lambdas, classes and comprehensions defined in the cell are global
     reads at call time: free unless the cell binds that name at top level somewhere.
+    Comprehensions run where they stand, so their reads count at that point.
     """
 
     def __init__(self) -> None:
@@ -73,11 +74,22 @@ class _FreeNames(ast.NodeVisitor):
             self.visit(node)
         self._conditional -= 1
 
-    def _nested_scope(self, node: ast.AST, local_names: set[str]) -> None:
-        inner = _ScopeReads(local_names)
+    def _nested_scope(self, node: ast.AST, local_names: set[str], *, immediate: bool = False) -> None:
+        inner = _ScopeReads(local_names, is_class=isinstance(node, ast.ClassDef))
         inner.visit_body(node)
         for name in inner.reads:
-            self.deferred_reads.append(name)
+            if immediate:
+                self._read(name)
+            else:
+                self.deferred_reads.append(name)
+
+    def _annotations(self, args: ast.arguments, returns: ast.AST | None) -> None:
+        # Evaluated when the function is defined, in the enclosing scope.
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+            if arg is not None and arg.annotation is not None:
+                self.visit(arg.annotation)
+        if returns is not None:
+            self.visit(returns)
 
     # -- names ---------------------------------------------------------------------
     def visit_Name(self, node: ast.Name) -> None:
@@ -105,6 +117,7 @@ class _FreeNames(ast.NodeVisitor):
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         if node.value is not None:
             self.visit(node.value)
+        self.visit(node.annotation)
         self.visit(node.target)
 
     def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
@@ -158,6 +171,7 @@ class _FreeNames(ast.NodeVisitor):
         for expr in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]:
             if expr is not None:
                 self.visit(expr)
+        self._annotations(node.args, node.returns)
         self._nested_scope(node, _argument_names(node.args))
         self._store(node.name)
 
@@ -179,7 +193,7 @@ class _FreeNames(ast.NodeVisitor):
         # The first iterable is evaluated in the enclosing scope; the rest is nested.
         generators = node.generators  # type: ignore[attr-defined]
         self.visit(generators[0].iter)
-        self._nested_scope(node, set())
+        self._nested_scope(node, set(), immediate=True)
 
     visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _visit_comprehension
 
@@ -187,10 +201,14 @@ class _FreeNames(ast.NodeVisitor):
 class _ScopeReads(ast.NodeVisitor):
     """Reads of a nested scope that are not local to it (so global at run time)."""
 
-    def __init__(self, local_names: set[str]) -> None:
+    def __init__(self, local_names: set[str], is_class: bool = False) -> None:
         self.local_names = set(local_names)
         self.global_decls: set[str] = set()
         self.loads: list[str] = []
+        # A class body's names are not visible inside its methods: their reads skip
+        # the class's own local names.
+        self.is_class = is_class
+        self.method_reads: list[str] = []
 
     def visit_body(self, node: ast.AST) -> None:
         if isinstance(node, ast.Lambda):
@@ -215,7 +233,8 @@ class _ScopeReads(ast.NodeVisitor):
 
     @property
     def reads(self) -> list[str]:
-        return [n for n in self.loads if n not in self.local_names or n in self.global_decls]
+        own = [n for n in self.loads if n not in self.local_names or n in self.global_decls]
+        return own + self.method_reads
 
     def visit_Global(self, node: ast.Global) -> None:
         self.global_decls.update(node.names)
@@ -228,12 +247,14 @@ class _ScopeReads(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
         self.local_names.add(node.name)
-        for expr in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]:
+        annotations = [a.annotation for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                                              node.args.vararg, node.args.kwarg] if a is not None]
+        for expr in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults, *annotations, node.returns]:
             if expr is not None:
                 self.visit(expr)
         inner = _ScopeReads(_argument_names(node.args))
         inner.visit_body(node)
-        self.loads.extend(inner.reads)
+        (self.method_reads if self.is_class else self.loads).extend(inner.reads)
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
@@ -241,7 +262,7 @@ class _ScopeReads(ast.NodeVisitor):
         self.local_names.add(node.name)
         for expr in [*node.decorator_list, *node.bases]:
             self.visit(expr)
-        inner = _ScopeReads(set())
+        inner = _ScopeReads(set(), is_class=True)
         inner.visit_body(node)
         self.loads.extend(inner.reads)
 

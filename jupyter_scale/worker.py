@@ -39,6 +39,8 @@ class _WorkerState:
     store: Any = None  # rank 0 hosts the TCPStore; it must outlive the group
     group_ready: bool = False
     group_sockets: set = field(default_factory=set)  # what abort_group cuts
+    backend: str = "gloo"
+    reinits: int = 0
 
 
 _state = _WorkerState()
@@ -78,13 +80,13 @@ def join_group(layout: dict) -> dict:
     if "OMP_NUM_THREADS" not in os.environ:
         # Like torchrun, don't let N workers on one host each claim every core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // _state.local_world_size))
-    if rank == 0:
-        store = _state.store
-    else:
-        store = rendezvous.connect_store(layout["master_addr"], layout["master_port"], world_size,
-                                         layout["timeout"])
-    _state.group_sockets = rendezvous.init_group(store, layout["backend"], rank, world_size, _state.device)
+    if rank != 0:  # rank 0 opened the store in open_rendezvous
+        _state.store = rendezvous.connect_store(layout["master_addr"], layout["master_port"], world_size,
+                                                layout["timeout"])
+    _state.backend = layout["backend"]
+    _state.group_sockets = rendezvous.init_group(_state.store, _state.backend, rank, world_size, _state.device)
     _state.group_ready = True
+    _install_torchrun_compat()
     rewrapped = _rewrap_stale_ddp()
     return {"rank": rank, "backend": layout["backend"], "device": str(_state.device), "rewrapped": rewrapped}
 
@@ -93,19 +95,53 @@ def _rewrap_stale_ddp() -> list[str]:
     """Models wrapped for a previous (torn-down) group are wrapped again for this one.
 
     DDP's constructor broadcasts rank 0's weights, so ranks that diverged when a cell
-    failed half-way through a step start the next cell equal again.
+    failed half-way through a step start the next cell equal again. Building a DDP is a
+    collective: only names that hold a DDP model on every rank are wrapped, in one order.
     """
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from .training import wrap
 
-    names = []
-    for name, value in list(_state.namespace.items()):
-        if isinstance(value, DistributedDataParallel):
-            options = getattr(value, "_jupyter_scale_options", {})
-            _state.namespace[name] = wrap(value.module, **options)
-            names.append(name)
-    return names
+    mine = sorted(n for n, v in _state.namespace.items() if isinstance(v, DistributedDataParallel))
+    everyone: list = [None] * _state.world_size
+    dist.all_gather_object(everyone, mine)
+    common = [n for n in mine if all(n in names for names in everyone)]
+    for name in common:
+        value = _state.namespace[name]
+        _state.namespace[name] = wrap(value.module, **getattr(value, "_jupyter_scale_options", {}))
+    for name in sorted(set(mine) - set(common)):
+        print(f"jupyter_scale: {name!r} is a DDP model of the previous process group on this rank "
+              "only; wrap it again with jupyter_scale.wrap()", file=sys.stderr)
+    return common
+
+
+def _install_torchrun_compat() -> None:
+    """Make torchrun-style process-group calls in a cell work on the group we run.
+
+    init_process_group() is a no-op while the group exists; after the cell destroyed it,
+    it joins a new group through our store (MASTER_PORT is taken by that store, so
+    torchrun's env:// rendezvous would collide with it).
+    """
+    import torch.distributed as dist
+
+    if getattr(dist.init_process_group, "_jupyter_scale", False):
+        return
+    original = dist.init_process_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        if dist.is_initialized():
+            return None
+        _state.reinits += 1
+        store = dist.PrefixStore(f"jupyter_scale/reinit/{_state.reinits}", _state.store)
+        _state.group_sockets |= rendezvous.init_group(store, _state.backend, _state.rank,
+                                                      _state.world_size, _state.device)
+        return None
+
+    init_process_group._jupyter_scale = True
+    init_process_group.__wrapped__ = original
+    init_process_group.__doc__ = original.__doc__
+    dist.init_process_group = init_process_group
 
 
 def leave_group() -> None:
@@ -118,6 +154,10 @@ def leave_group() -> None:
 
 def _inject() -> None:
     ns = _state.namespace
+    from IPython import get_ipython
+
+    if get_ipython() is not None:  # an IPython engine: magics in the cell run there
+        ns["get_ipython"] = get_ipython
     ns.update(
         rank=_state.rank,
         world_size=_state.world_size,
@@ -176,6 +216,9 @@ def run_cell(request: dict, *frames: Any) -> tuple:
         return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
                  "received": received, "metrics": _state.recorder.drain(), "elapsed": failed_at - started},)
     _flush()
+    import torch.distributed as dist
+
+    _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
               "metrics": _state.recorder.drain(), "elapsed": time.time() - started}
     out_frames: list = []

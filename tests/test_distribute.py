@@ -136,6 +136,33 @@ print("sum", t.item(), "port", env["MASTER_PORT"])
     assert "[rank 0] sum 3.0" in out.stdout and "[rank 1] sum 3.0" in out.stdout
 
 
+def test_torchrun_style_cell_runs_unchanged(kernel):
+    # What a torchrun script does: init from the environment, work, destroy.
+    script = """%%distribute
+import os
+dist.init_process_group("gloo")   # the group exists already: a no-op
+t = torch.tensor([float(os.environ["RANK"])])
+dist.all_reduce(t)
+print("sum", t.item(), "world", dist.get_world_size())
+dist.destroy_process_group()
+"""
+    for _ in range(2):  # the next cell forms the group again
+        out = kernel.ok(script)
+        assert "[rank 1] sum 1.0 world 2" in out.stdout
+    out = kernel.ok("%%distribute\ndist.destroy_process_group()\ndist.init_process_group('gloo')\n"
+                    "t = torch.ones(1)\ndist.all_reduce(t)\nprint('again', t.item())")
+    assert "[rank 0] again 2.0" in out.stdout
+
+
+def test_rank_stuck_in_a_collective_is_freed(kernel):
+    # Only rank 0 enters the collective; rank 1 returns. --timeout must end it anyway.
+    out = kernel.cell("%%distribute --timeout 3\nif rank == 0:\n    dist.all_reduce(torch.ones(1))", timeout=60)
+    assert not out.ok
+    assert "rank 0 failed" in out.error_text
+    again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
+    assert "[rank 0] sum 2.0" in again.stdout
+
+
 def test_changed_names_are_resent_unchanged_big_tensor_is_not(kernel):
     kernel.ok("big = torch.zeros(25_000_000)  # 100 MB\nsmall = 1")
     read_both = "%%distribute\nprint('seen', small, float(big[0]), big.numel())"
@@ -263,9 +290,23 @@ dist.all_reduce(t)
     assert "rank 1 failed: WorkerLost" in out.error_text
     assert "rank(s) [1]" in kernel.ok("%scale").stdout
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
-    assert "died; restarting the cluster with 2 workers" in again.stdout
+    assert "is gone; restarting the cluster with 2 workers" in again.stdout
     assert "[rank 1] sum 2.0" in again.stdout
     assert wait_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)]) == []
+
+def test_worker_dying_between_cells_is_replaced(kernel):
+    pid = kernel.value("jupyter_scale.get_session().workers[1]['pid']")
+    psutil.Process(pid).kill()
+    assert wait_gone([psutil.Process(pid)] if psutil.pid_exists(pid) else []) == []
+    import time
+    deadline = time.monotonic() + 30  # the controller notices within a few heartbeats
+    while time.monotonic() < deadline:
+        if kernel.value("jupyter_scale.get_session().backend.dead_ranks()") == [1]:
+            break
+        time.sleep(0.5)
+    out = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
+    assert "is gone; restarting the cluster with 2 workers" in out.stdout
+    assert "[rank 1] sum 2.0" in out.stdout
 
 def test_resize_then_stop_leaves_no_process(kernel):
     out = kernel.ok("%%distribute --workers 3\nprint('size', world_size)", timeout=120)

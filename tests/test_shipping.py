@@ -30,6 +30,12 @@ from jupyter_scale.errors import ShippingError
         ("with ctx() as c:\n    c.run(data)", ["ctx", "data"]),
         ("del old", ["old"]),
         ("(n := count) and n", ["count"]),
+        # Comprehensions run where they stand: a later binding does not hide the read.
+        ("xs = torch.stack([xs[i] * 2 for i in range(3)])", ["torch", "range", "xs"]),
+        # Methods do not see their class's names, so their reads are global reads.
+        ("class Ev:\n    accuracy = 0\n    def score(self, y):\n        return accuracy(y)", ["accuracy"]),
+        ("def f(x: Tensor) -> Out:\n    return x", ["Tensor", "Out"]),  # annotations run at def
+        ("n: Size = 3", ["Size"]),
     ],
 )
 def test_free_names(source, expected):

@@ -100,8 +100,8 @@ class Backend(abc.ABC):
     def size(self) -> int: ...
 
     @abc.abstractmethod
-    def submit(self, fn: Callable, *args: Any) -> Job:
-        """Run fn(*args) on every worker; the same arguments everywhere (sent once)."""
+    def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
+        """Run fn(*args) on every worker (or on `ranks`); the same arguments everywhere, sent once."""
 
     @abc.abstractmethod
     def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
@@ -110,6 +110,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def interrupt(self, ranks: list[int]) -> None:
         """Deliver SIGINT (KeyboardInterrupt) to the given ranks' workers."""
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose worker process is known to be gone."""
+        return []
 
     def describe(self) -> dict:
         """Engine-specific facts for `%scale status` (addresses, ids)."""

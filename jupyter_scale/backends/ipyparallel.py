@@ -27,13 +27,13 @@ class _IPPJob(Job):
         self._client = client
         self._ar = async_result
         self.ranks = ranks
-        # One message future per rank, in rank order (engine ids were sorted at start).
-        self._futures = list(async_result._children)
+        # One message future per rank, in the order the ranks were targeted.
+        self._futures = dict(zip(ranks, async_result._children))
         self._seen = {r: {"stdout": 0, "stderr": 0, "outputs": 0} for r in ranks}
         # Set from ipyparallel's IO thread on every result and output message, so the
         # kernel wakes at once instead of polling on a timer.
         self._activity = threading.Event()
-        for future in self._futures:
+        for future in self._futures.values():
             future.add_done_callback(lambda _f: self._activity.set())
             future.iopub_callbacks.append(lambda _msg: self._activity.set())
 
@@ -57,7 +57,7 @@ class _IPPJob(Job):
 
     def new_output(self) -> list[Output]:
         out: list[Output] = []
-        for rank, future in zip(self.ranks, self._futures):
+        for rank, future in self._futures.items():
             md = future.output.metadata
             seen = self._seen[rank]
             for stream in ("stdout", "stderr"):
@@ -172,19 +172,24 @@ class IPyParallelBackend(Backend):
     def _require_client(self) -> ipp.Client:
         if self._client is None:
             raise ClusterError("no ipyparallel cluster is running")
-        registered = set(self._client.ids)
-        for rank, engine_id in enumerate(self._engine_ids):
-            if engine_id not in registered:
-                raise WorkerLost(rank, f"engine {engine_id} is no longer registered with the controller")
+        for rank in self.dead_ranks():
+            raise WorkerLost(rank, f"engine {self._engine_ids[rank]} is no longer registered with the controller")
         return self._client
 
-    def submit(self, fn: Callable, *args: Any) -> Job:
+    def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
         client = self._require_client()
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
         # A broadcast view sends the message (and its buffers) once to the controller,
         # which fans it out: the kernel's cost does not grow with the number of workers.
-        view = client.broadcast_view(targets=self._engine_ids)
+        view = client.broadcast_view(targets=[self._engine_ids[r] for r in ranks])
         ar = view.apply_async(fn, *args)
-        return _IPPJob(client, ar, list(range(self.size)))
+        return _IPPJob(client, ar, ranks)
+
+    def dead_ranks(self) -> list[int]:
+        if self._client is None:
+            return []
+        registered = set(self._client.ids)
+        return [rank for rank, eid in enumerate(self._engine_ids) if eid not in registered]
 
     def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
         client = self._require_client()
