@@ -57,7 +57,7 @@ class RemoteError(DistributeError):
     sees the failing rank's own traceback, not jupyter_scale's internals.
     """
 
-    def __init__(self, failures: list[RankFailure], stopped: list[int] | None = None):
+    def __init__(self, failures: list[RankFailure]):
         # Which failure is the cause: a dead worker (its peers' collectives fail because
         # it died, often before its death is noticed), else the earliest exception; ranks
         # we interrupted come last.
@@ -65,7 +65,6 @@ class RemoteError(DistributeError):
         first = self.failures[0]
         self.rank = first.rank
         self.etype = first.etype
-        self.stopped = stopped or []
         others = [f.rank for f in self.failures[1:]]
         note = f" (then ranks {others} stopped)" if others else ""
         super().__init__(f"rank {first.rank} failed: {first.summary}{note}")
@@ -74,8 +73,7 @@ class RemoteError(DistributeError):
         first = self.failures[0]
         lines = [f"--- rank {first.rank} traceback ---", *first.traceback.rstrip().splitlines()]
         lines.append(str(self))
-        secondary = [f for f in self.failures[1:]]
-        for f in secondary:
+        for f in self.failures[1:]:
             lines.append(f"  rank {f.rank}: {f.summary}")
         if any(f.lost for f in self.failures):
             lines.append("A worker died: the next %%distribute restarts the cluster (or run %scale restart).")

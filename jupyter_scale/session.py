@@ -46,7 +46,11 @@ class RunRecord:
 
 
 class _LineLabeler:
-    """Prefixes each complete line a rank prints with `[rank N]`; keeps partial lines."""
+    """Prefixes each line a rank prints with `[rank N]`; keeps partial lines.
+
+    A carriage return ends a segment too, so progress bars that redraw their line with
+    `\r` (tqdm) show while they run, not only when their line is done.
+    """
 
     def __init__(self) -> None:
         self._partial: dict[tuple[int, str], str] = {}
@@ -54,10 +58,19 @@ class _LineLabeler:
     def feed(self, rank: int, stream: str, text: str) -> str:
         key = (rank, stream)
         text = self._partial.pop(key, "") + text
-        lines = text.split("\n")
-        if lines[-1]:
-            self._partial[key] = lines[-1]
-        return "".join(f"[rank {rank}] {line}\n" for line in lines[:-1])
+        out, start = [], 0
+        for i, ch in enumerate(text):
+            if ch in "\r\n":
+                segment = text[start:i]
+                blank_line = ch == "\n" and (i == 0 or text[i - 1] != "\r")
+                if segment or blank_line:
+                    out.append(f"[rank {rank}] {segment}{ch}")
+                else:
+                    out.append(ch)
+                start = i + 1
+        if start < len(text):
+            self._partial[key] = text[start:]
+        return "".join(out)
 
     def flush(self) -> list[tuple[str, str]]:
         rest = [(stream, f"[rank {rank}] {text}\n") for (rank, stream), text in sorted(self._partial.items())]

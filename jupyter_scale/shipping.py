@@ -596,6 +596,18 @@ class _ReceiveUnpickler(pickle.Unpickler):
         return self.receiver._resolve(pid)
 
 
+def _copy_into(held: torch.Tensor, meta: tuple, buffer) -> bool:
+    """Write new bytes straight into a held CPU tensor of the same layout (one memcpy)."""
+    dtype_name, shape, requires_grad, _, _ = meta
+    if (held.device.type != "cpu" or not held.is_contiguous() or tuple(held.shape) != tuple(shape)
+            or str(held.dtype).removeprefix("torch.") != dtype_name or held.requires_grad != requires_grad):
+        return False
+    if held.numel():
+        with torch.no_grad():
+            held.detach().reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(buffer, np.uint8)
+    return True
+
+
 class Receiver:
     """Worker side: one tensor per token, for as long as the notebook holds its own."""
 
@@ -622,9 +634,11 @@ class Receiver:
         if kind == "ref":
             return self.tensors[token]
         meta, buffer = pid[2], pid[3]
+        held = self.tensors.get(token) if kind == "update" else None
+        if held is not None and _copy_into(held, meta, buffer):
+            return held
         fresh = _build_tensor(meta, buffer, self.device)
-        if kind == "update" and token in self.tensors:
-            held = self.tensors[token]
+        if held is not None:
             with torch.no_grad():
                 if held.shape == fresh.shape and held.dtype == fresh.dtype:
                     held.copy_(fresh)  # same object: everything holding it sees the change

@@ -86,6 +86,9 @@ def test_line_labels_keep_partial_lines_per_rank():
     assert labeler.feed(1, "stdout", "a\nb") == "[rank 1] a\n"
     assert labeler.feed(0, "stdout", "lo\n") == "[rank 0] hello\n"
     assert labeler.flush() == [("stdout", "[rank 1] b\n")]
+    # Progress bars redraw with \r: each redraw is shown (and labelled) as it comes.
+    assert labeler.feed(0, "stderr", " 10%|#\r") == "[rank 0]  10%|#\r"
+    assert labeler.feed(0, "stderr", " 20%|##\r\n") == "[rank 0]  20%|##\r\n"
 
 
 def test_remote_error_blames_the_first_real_failure():
