@@ -69,6 +69,9 @@ class ScaleMagics(Magics):
     @argument("--timeout", type=_positive_float, default=None,
               help="fail the cell if it is still running after this many seconds (default: no limit)")
     @argument("--backend", default=None, help="cluster engine for a new cluster (default: ipyparallel)")
+    @argument("--manual", action="store_true",
+              help="no automatic sharding, gradient averaging or seeding: the cell calls "
+                   "jupyter_scale.wrap/shard or torch.distributed itself")
     @cell_magic
     def distribute(self, line: str, cell: str):
         """Run this cell on every worker of a local (or connected) cluster.
@@ -79,14 +82,25 @@ class ScaleMagics(Magics):
         reads are sent by value (unchanged ones are not sent again). Afterwards every
         notebook nn.Module the cell used holds rank 0's weights.
 
+        Automatic mode (the default): every rank starts from the same seed, DataLoaders
+        shard their dataset across ranks (reshuffled per epoch), optimizer steps average
+        gradients across ranks, and module buffers end as rank 0's. `--manual` turns all
+        of it off.
+
         Examples
         --------
         ::
 
             %%distribute --workers 2
-            model = jupyter_scale.wrap(model)
+            loader = DataLoader(data, batch_size=64, shuffle=True)   # sharded per rank
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for x, y in loader:
+                ...
+                opt.step()                                         # gradients averaged
+
+            %%distribute --manual
+            model = jupyter_scale.wrap(model)                      # DDP, by hand
             loader = jupyter_scale.shard(DataLoader(data, batch_size=64, shuffle=True))
-            ...
 
             %%distribute --pull losses,accuracy
             losses = train(model)
@@ -98,7 +112,7 @@ class ScaleMagics(Magics):
         self._choose_backend(args.backend)
         if not cell.strip():
             raise UsageError("%%distribute needs a cell body to run")
-        self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout)
+        self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual)
 
     @magic_arguments()
     @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart"],

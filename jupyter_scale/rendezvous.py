@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def open_store(master_addr: str, world_size: int, timeout: float) -> tuple[dist.
     return store, port
 
 
-def connect_store(master_addr: str, port: int, world_size: int, timeout: float) -> dist.TCPStore:
+def connect_store(master_addr: str, port: int, world_size: int | None, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(
         master_addr,
         port,
@@ -127,15 +128,61 @@ def abort_group(group_sockets: set[int]) -> None:
     timeout (30 min). Shutting the sockets down makes every peer's pending collective
     fail at once with "connection closed by peer", which then aborts that peer too.
     """
-    if group_sockets:
-        for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:[") and int(target[8:-1]) in group_sockets:
-                _shutdown_fd(int(fd))
+    cut_connections(group_sockets)
     destroy_group()
+
+
+def cut_connections(group_sockets: set[int]) -> None:
+    """Shut down the group's TCP connections (safe from any thread; fds stay open)."""
+    if not group_sockets or not os.path.isdir("/proc/self/fd"):
+        return
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and int(target[8:-1]) in group_sockets:
+            _shutdown_fd(int(fd))
+
+
+ABORT_KEY = "jupyter_scale/abort"
+
+
+class AbortWatch:
+    """A thread that cuts this rank's group connections when the kernel asks.
+
+    A rank blocked inside a collective never returns to Python, so neither SIGINT nor a
+    message to the engine reaches it. The kernel bumps a counter in the group's store
+    instead; this thread sees it, cuts the connections, and the blocked collective fails
+    with an error the cell then reports. The group is formed anew for the next cell.
+    """
+
+    def __init__(self, master_addr: str, port: int, group_sockets: set[int], poll: float = 0.25):
+        self._store = connect_store(master_addr, port, None, timeout=30)
+        self._seen = self._store.add(ABORT_KEY, 0)
+        self._sockets = group_sockets
+        self._poll = poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jupyter_scale-abort-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            try:
+                value = self._store.add(ABORT_KEY, 0)
+            except Exception:  # the store went away with its group: nothing left to watch
+                return
+            if value != self._seen:
+                self._seen = value
+                cut_connections(self._sockets)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def request_abort(master_addr: str, port: int) -> None:
+    """From the kernel: make every rank's AbortWatch cut its connections."""
+    connect_store(master_addr, port, None, timeout=5).add(ABORT_KEY, 1)
 
 
 def _shutdown_fd(fd: int) -> None:

@@ -235,8 +235,12 @@ class ScaleSession(LoggingConfigurable):
     # Running cells
     # ------------------------------------------------------------------------------
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
-            timeout: float | None = None) -> RunRecord:
-        """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure."""
+            timeout: float | None = None, manual: bool = False) -> RunRecord:
+        """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
+
+        Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
+        and averages gradients at every optimizer step; `manual=True` does none of it.
+        """
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
@@ -256,6 +260,10 @@ class ScaleSession(LoggingConfigurable):
             "filename": f"<distribute-cell-{record.index}>",
             "modules": modules,
             "pull": pull,
+            "auto": not manual,
+            # Drawn from the notebook's RNG, as the cell would draw locally: a notebook that
+            # calls torch.manual_seed gets the same worker runs every time.
+            "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
         }
         job = self.backend.submit(worker.run_cell, request, *shipment.frames)
         try:
@@ -336,6 +344,9 @@ class ScaleSession(LoggingConfigurable):
                 finished = [r for r in headers if r not in lost]
                 if finished:  # fire and forget: the reply is tiny
                     backend.submit(worker.leave_group, ranks=finished)
+                # Ranks blocked in a collective among themselves: their watch threads cut
+                # the group's connections when asked through the store.
+                self._request_abort()
                 interrupted_at = time.monotonic()
 
         while True:
@@ -389,6 +400,15 @@ class ScaleSession(LoggingConfigurable):
                 f.etype = "TimeoutError" if f.etype == "KeyboardInterrupt" else f.etype
                 f.message = f.message or f"still running after --timeout {timeout:g} s"
         return headers, frames_back, failures, lost
+
+    def _request_abort(self) -> None:
+        if not self.group:
+            return
+        self._group_ready = False  # the group is cut: the next cell forms a new one
+        try:
+            rendezvous.request_abort(self.group["master_addr"], self.group["master_port"])
+        except Exception:  # the store is gone with rank 0; its peers fail on their own
+            log.debug("abort request through the store failed", exc_info=True)
 
     def _emit(self, outputs: list[Output], labeler: _LineLabeler) -> None:
         for out in outputs:

@@ -7,12 +7,18 @@ running, so a cell that calls them also runs as plain local code.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Subset
+
+
+# Every DDP model built on this worker: automatic mode must not average their gradients
+# a second time.
+DDP_MODELS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
 
 
 def _distributed() -> bool:
@@ -42,6 +48,7 @@ def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
     wrapped = DistributedDataParallel(model, **ddp_options)
     # Remembered so the worker can wrap the model again if the process group is re-formed.
     wrapped._jupyter_scale_options = options
+    DDP_MODELS.add(wrapped)
     return wrapped
 
 
@@ -124,3 +131,204 @@ def _shard_loader(loader: DataLoader, *, shuffle: bool | None, seed: int, drop_l
         shuffle = isinstance(loader.sampler, RandomSampler)
     sampler = EpochAwareSampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(loader.dataset, sampler=sampler, **_loader_options(loader))
+
+
+# --------------------------------------------------------------------------------------
+# Automatic mode: the cell's own loop, distributed without being rewritten
+# --------------------------------------------------------------------------------------
+
+# Gradients are averaged in buckets of about this many bytes: few collectives per step
+# (not one per parameter), none so large that the flattened copy dominates memory.
+BUCKET_BYTES = 25 * 2**20
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed for torch, numpy and random on every rank."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _average_gradients(optimizer: torch.optim.Optimizer, skip: set[int]) -> None:
+    """Average the gradients of `optimizer`'s parameters across ranks, in buckets.
+
+    A parameter can have a gradient on some ranks and not on others (a branch that only
+    some ranks' data takes): one small collective first agrees on which parameters have
+    a gradient anywhere, so every rank reduces the same buckets in the same order. A
+    parameter with a gradient nowhere keeps `grad=None` (frozen, unused, or zeroed with
+    set_to_none), as it would locally.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.requires_grad and id(p) not in skip]
+    if not params:
+        return
+    world = dist.get_world_size()
+    device = params[0].device
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    reduce = [p for p, has in zip(params, present.tolist()) if has]
+    for p in reduce:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            raise TypeError("automatic mode does not average sparse gradients; use --manual with "
+                            "jupyter_scale.wrap(model)")
+    for bucket in _buckets(reduce):
+        grads = [p.grad for p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        dist.all_reduce(flat)
+        flat.div_(world)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at: at + g.numel()].view_as(g))
+            at += g.numel()
+
+
+def _buckets(params: list[torch.Tensor]):
+    bucket, size = [], 0
+    for p in params:
+        key = (p.dtype, p.device)
+        if bucket and (key != (bucket[0].dtype, bucket[0].device) or size + p.numel() * p.element_size() > BUCKET_BYTES):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+    if bucket:
+        yield bucket
+
+
+class AutoMode:
+    """While a cell runs: loaders shard, optimizer steps average, DDP is not averaged twice.
+
+    Entered around each automatic-mode cell on every worker and left afterwards, so
+    nothing of it remains in the worker between cells or outside %%distribute.
+    """
+
+    def __init__(self, seed: int, namespace: dict | None = None, warn=None):
+        self.seed = seed
+        self.namespace = namespace if namespace is not None else {}
+        self._hook = None
+        self._original_loader_init = None
+        self._original_ddp_init = None
+        self._warned: set[str] = set()
+        self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
+
+    # -- lifecycle -----------------------------------------------------------------
+    def __enter__(self) -> "AutoMode":
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        seed_everything(self.seed)
+        self._install_loader_patch()
+        self._install_ddp_registry()
+        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        DataLoader.__init__ = self._original_loader_init
+        DistributedDataParallel.__init__ = self._original_ddp_init
+
+    # -- DataLoaders ---------------------------------------------------------------
+    def _install_loader_patch(self) -> None:
+        import inspect
+
+        original = DataLoader.__init__
+        self._original_loader_init = original
+        signature = inspect.signature(original)
+        mode = self
+
+        def __init__(loader, *args, **kwargs):
+            bound = signature.bind(loader, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            sharded = mode._sampler_for(arguments["dataset"], arguments["sampler"], arguments["batch_sampler"],
+                                        arguments["shuffle"])
+            if sharded is not None:
+                arguments["sampler"], arguments["shuffle"] = sharded, None
+            original(*bound.args, **bound.kwargs)
+
+        DataLoader.__init__ = __init__
+
+    def _sampler_for(self, dataset, sampler, batch_sampler, shuffle):
+        """An epoch-aware DistributedSampler for a loader that has no sampler of its own."""
+        if isinstance(sampler, DistributedSampler) or (batch_sampler is not None and
+                                                        isinstance(getattr(batch_sampler, "sampler", None),
+                                                                   DistributedSampler)):
+            return None
+        if sampler is not None or batch_sampler is not None:
+            self._warn_once("sampler", "jupyter_scale: a DataLoader with its own sampler is not sharded "
+                            "automatically; every rank iterates all of it (use DistributedSampler or --manual)")
+            return None
+        if isinstance(dataset, IterableDataset):
+            self._warn_once("iterable", "jupyter_scale: a DataLoader over an IterableDataset is not sharded "
+                            "automatically; split the stream by `rank` and `world_size` in the dataset")
+            return None
+        # drop_last=False: the last shard is padded with a few repeated samples, so every
+        # rank runs the same number of steps (their collectives must pair up).
+        return EpochAwareSampler(dataset, shuffle=bool(shuffle), seed=self.seed, drop_last=False)
+
+    def shard_shipped(self, value):
+        """A DataLoader sent from the notebook is sharded like one built in the cell."""
+        if not isinstance(value, DataLoader) or value.batch_size is None:
+            return value
+        sampler = self._sampler_for(value.dataset, None, None, isinstance(value.sampler, RandomSampler))
+        if sampler is None:
+            return value
+        return DataLoader(value.dataset, sampler=sampler, **_loader_options(value))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self._warn(message)
+
+    # -- gradients -----------------------------------------------------------------
+    def _install_ddp_registry(self) -> None:
+        original = DistributedDataParallel.__init__
+        self._original_ddp_init = original
+
+        def __init__(ddp, *args, **kwargs):
+            original(ddp, *args, **kwargs)
+            DDP_MODELS.add(ddp)
+
+        DistributedDataParallel.__init__ = __init__
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not _distributed():  # the cell tore the group down: steps are local again
+            return
+        # Parameters inside a DDP model were averaged by DDP during backward already.
+        models = set(DDP_MODELS) | {v for v in self.namespace.values() if isinstance(v, DistributedDataParallel)}
+        skip = {id(p) for ddp in models for p in ddp.parameters()}
+        _average_gradients(optimizer, skip)
+
+
+def broadcast_buffers(namespace: dict) -> list[str]:
+    """Give every rank rank 0's module buffers (BatchNorm running stats and the like).
+
+    The policy of automatic mode, as DDP's broadcast_buffers: each rank updates its
+    buffers from its own shard during the cell; at the end of the cell rank 0's win, so
+    the ranks (and the model pulled back into the notebook) hold the same values.
+    """
+    def modules():
+        for name, value in namespace.items():
+            if isinstance(value, DistributedDataParallel):
+                value = value.module
+            if isinstance(value, torch.nn.Module) and any(True for _ in value.buffers()):
+                yield name, value
+
+    mine = dict(modules())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    common = [n for n in sorted(mine) if all(n in names for names in everyone)]
+    seen: set[int] = set()
+    for name in common:
+        for buffer in mine[name].buffers():
+            if id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            dist.broadcast(buffer, src=0)
+    return common

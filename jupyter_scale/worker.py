@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from . import rendezvous, shipping
+from contextlib import nullcontext
+
+from . import rendezvous, shipping, training
 from .metrics import Recorder
 
 # Names every cell sees; they are set again before each cell so they stay truthful.
@@ -41,6 +43,7 @@ class _WorkerState:
     group_sockets: set = field(default_factory=set)  # what abort_group cuts
     backend: str = "gloo"
     reinits: int = 0
+    watch: Any = None  # rendezvous.AbortWatch of the current group
 
 
 _state = _WorkerState()
@@ -68,6 +71,7 @@ def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout:
 
 def join_group(layout: dict) -> dict:
     """Set this worker's rank, env and device, and join the process group."""
+    _stop_watch()
     rendezvous.abort_group(_state.group_sockets)
     _state.group_ready = False
     rank, world_size = layout["rank"], layout["world_size"]
@@ -86,6 +90,7 @@ def join_group(layout: dict) -> dict:
     _state.backend = layout["backend"]
     _state.group_sockets = rendezvous.init_group(_state.store, _state.backend, rank, world_size, _state.device)
     _state.group_ready = True
+    _state.watch = rendezvous.AbortWatch(layout["master_addr"], layout["master_port"], _state.group_sockets)
     _install_torchrun_compat()
     rewrapped = _rewrap_stale_ddp()
     return {"rank": rank, "backend": layout["backend"], "device": str(_state.device), "rewrapped": rewrapped}
@@ -146,10 +151,17 @@ def _install_torchrun_compat() -> None:
 
 def leave_group() -> None:
     """Cut and tear down the process group (peers blocked on us fail fast)."""
+    _stop_watch()
     rendezvous.abort_group(_state.group_sockets)
     _state.group_sockets = set()
     _state.group_ready = False
     _state.store = None
+
+
+def _stop_watch() -> None:
+    if _state.watch is not None:
+        _state.watch.stop()
+        _state.watch = None
 
 
 def _inject() -> None:
@@ -190,14 +202,22 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     started = time.time()
     rank = _state.rank
     received = False
+    auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
+    mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     try:
-        _state.receiver.device = _state.device
-        _state.namespace.update(_state.receiver.receive(request, frames))
-        received = True
-        _inject()
-        _register_source(request["filename"], request["code"])
-        code = compile(request["code"], request["filename"], "exec")
-        exec(code, _state.namespace)
+        with mode:
+            _state.receiver.device = _state.device
+            shipped = _state.receiver.receive(request, frames)
+            if auto:
+                shipped = {name: mode.shard_shipped(value) for name, value in shipped.items()}
+            _state.namespace.update(shipped)
+            received = True
+            _inject()
+            _register_source(request["filename"], request["code"])
+            code = compile(request["code"], request["filename"], "exec")
+            exec(code, _state.namespace)
+            if auto and training._distributed():  # the cell may have destroyed the group
+                training.broadcast_buffers(_state.namespace)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
         failed_at = time.time()
         try:
@@ -262,6 +282,11 @@ def gather_value(name: str) -> tuple:
     if name not in _state.namespace:
         return ({"rank": _state.rank, "missing": True},)
     return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name]))
+
+
+def _warn(message: str) -> None:
+    if _state.rank == 0:  # once per cell, not once per rank
+        print(message, file=sys.stderr, flush=True)
 
 
 def _flush() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 import ipyparallel as ipp
@@ -20,6 +21,8 @@ _quiet_cluster_log.setLevel(logging.ERROR)
 # The controller pings engines this often (ms). ipyparallel's default (3 s, several missed
 # beats) makes a dead engine take ~10 s to notice; 500 ms keeps that to a couple of seconds.
 HEARTBEAT_MS = 500
+# How long a rank's output may trail its reply before the rank counts as done anyway.
+OUTPUT_GRACE_S = 2.0
 
 
 class _IPPJob(Job):
@@ -29,12 +32,14 @@ class _IPPJob(Job):
         self.ranks = ranks
         # One message future per rank, in the order the ranks were targeted.
         self._futures = dict(zip(ranks, async_result._children))
+        self._replied_at: dict[int, float] = {}
         self._seen = {r: {"stdout": 0, "stderr": 0, "outputs": 0} for r in ranks}
         # Set from ipyparallel's IO thread on every result and output message, so the
         # kernel wakes at once instead of polling on a timer.
         self._activity = threading.Event()
         for future in self._futures.values():
             future.add_done_callback(lambda _f: self._activity.set())
+            future.output.add_done_callback(lambda _f: self._activity.set())
             future.iopub_callbacks.append(lambda _msg: self._activity.set())
 
     def wait_activity(self, timeout: float) -> None:
@@ -42,7 +47,16 @@ class _IPPJob(Job):
         self._activity.clear()
 
     def done(self, rank: int) -> bool:
-        return self._futures[rank].done()
+        # The reply (shell channel) can arrive before the last output (iopub channel):
+        # a rank is done once its output stream is complete too, or, should that never
+        # come (an engine that died), shortly after its reply.
+        future = self._futures[rank]
+        if not future.done():
+            return False
+        if future.output.done():
+            return True
+        first_seen = self._replied_at.setdefault(rank, time.monotonic())
+        return time.monotonic() - first_seen > OUTPUT_GRACE_S
 
     def result(self, rank: int) -> Any:
         value = self._futures[rank].result()
