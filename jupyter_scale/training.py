@@ -141,6 +141,9 @@ def _shard_loader(loader: DataLoader, *, shuffle: bool | None, seed: int, drop_l
 # (not one per parameter), none so large that the flattened copy dominates memory.
 BUCKET_BYTES = 25 * 2**20
 
+# How many parameter gradients automatic mode has averaged on this worker (diagnostics).
+averaged_parameters = 0
+
 
 def seed_everything(seed: int) -> None:
     """The same seed for torch, numpy and random on every rank."""
@@ -177,6 +180,8 @@ def _average_gradients(optimizer: torch.optim.Optimizer, skip: set[int]) -> None
         elif p.grad.is_sparse:
             raise TypeError("automatic mode does not average sparse gradients; use --manual with "
                             "jupyter_scale.wrap(model)")
+    global averaged_parameters
+    averaged_parameters += len(reduce)
     for bucket in _buckets(reduce):
         grads = [p.grad for p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()

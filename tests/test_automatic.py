@@ -1,0 +1,253 @@
+"""Automatic mode: the DESIGN.md loop runs unchanged on 2 workers and computes the right thing.
+
+Every comparison trains real models on a real 2-rank gloo group and checks the weights.
+"""
+
+import pytest
+
+DESIGN_LOOP = """%%distribute --workers 2
+loader = DataLoader(data, batch_size=64, shuffle=True)   # each rank gets its own shard
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for epoch in range(3):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()                 # gradients are averaged across ranks
+        report(loss=loss)
+"""
+
+NOTEBOOK = """
+import copy
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(32, 64)
+        self.l2 = nn.Linear(64, 4)
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+torch.manual_seed(0)
+model = Net()
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g))
+
+def flat(m):
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+def close(a, b, tol=1e-5):
+    return (flat(a) - flat(b)).abs().max().item() <= tol
+"""
+
+GATHER_WEIGHTS = "%%distribute\nweights = torch.cat([p.detach().flatten() for p in model.parameters()])"
+
+
+@pytest.fixture(scope="module")
+def k(kernel):
+    kernel.ok(NOTEBOOK)
+    return kernel
+
+
+def test_design_loop_unchanged_ranks_end_bitwise_equal(k):
+    k.ok("start = copy.deepcopy(model)")
+    out = k.ok(DESIGN_LOOP, timeout=300)
+    assert "Traceback" not in out.stderr
+    k.ok("""
+steps = [sum(1 for p in jupyter_scale.history() if p["rank"] == r) for r in (0, 1)]
+assert steps == [3 * 16, 3 * 16], steps     # 2048 / 2 ranks / 64 = 16 steps per epoch
+""")
+    k.ok(GATHER_WEIGHTS)
+    k.ok("""
+w = jupyter_scale.get_session().gather("weights")
+assert torch.equal(w[0], w[1]), "ranks diverged"
+assert torch.equal(w[0], flat(model)), "notebook model is not rank 0's"
+assert not close(model, start), "did not train"
+""")
+
+
+def test_each_epoch_the_ranks_see_disjoint_samples_covering_the_dataset(k):
+    k.ok("""%%distribute
+ids = TensorDataset(torch.arange(1000))
+loader = DataLoader(ids, batch_size=50, shuffle=True)
+seen = [torch.cat([b[0] for b in loader]).tolist() for epoch in range(3)]
+""")
+    k.ok("""
+r0, r1 = jupyter_scale.get_session().gather("seen")
+for epoch in range(3):
+    a, b = r0[epoch], r1[epoch]
+    assert len(a) == len(b) == 500
+    assert not set(a) & set(b), "ranks overlap"
+    assert sorted(a + b) == list(range(1000)), "not covering"
+assert r0[0] != r0[1] != r0[2], "no reshuffle between epochs"
+assert r0[0] != sorted(r0[0]), "shuffle=True not honoured"
+""")
+
+
+def test_automatic_equals_explicit_ddp(k):
+    k.ok("torch.manual_seed(0)\nbase = Net()\nm_auto = copy.deepcopy(base)\nm_ddp = copy.deepcopy(base)")
+    k.ok("""%%distribute
+loader = DataLoader(data, batch_size=32, shuffle=True)
+opt = torch.optim.SGD(m_auto.parameters(), lr=0.05, momentum=0.9)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(m_auto(x), y).backward()
+        opt.step()
+auto_seed = loader.sampler.seed
+""")
+    k.ok("%%distribute --pull auto_seed\npass")
+    k.ok("""%%distribute --manual
+net = jupyter_scale.wrap(m_ddp)
+loader = jupyter_scale.shard(DataLoader(data, batch_size=32, shuffle=True), seed=auto_seed)
+opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+""")
+    k.ok("assert not close(m_auto, base)\nassert close(m_auto, m_ddp), (flat(m_auto) - flat(m_ddp)).abs().max()")
+
+
+def test_two_workers_at_batch_b_equal_one_process_at_batch_2b(k):
+    k.ok("torch.manual_seed(0)\nm2 = Net()\nm_local = copy.deepcopy(m2)")
+    k.ok("""%%distribute
+loader = DataLoader(data, batch_size=16, shuffle=True)
+opt = torch.optim.SGD(m2.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(m2(x), y).backward()
+        opt.step()
+seed2 = loader.sampler.seed
+""")
+    k.ok("%%distribute --pull seed2\npass")
+    # One process, batch 32, in the order DistributedSampler draws (randperm(seed + epoch)):
+    # each local batch is the union of the two ranks' batches of that step.
+    k.ok("""
+opt = torch.optim.SGD(m_local.parameters(), lr=0.1)
+xs, ys = data.tensors
+for epoch in range(2):
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed2 + epoch))
+    for start in range(0, len(order), 32):
+        idx = order[start:start + 32]
+        opt.zero_grad()
+        nn.functional.cross_entropy(m_local(xs[idx]), ys[idx]).backward()
+        opt.step()
+assert close(m2, m_local), (flat(m2) - flat(m_local)).abs().max()
+""")
+
+
+BN_MODEL = """
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2),
+                                  nn.Linear(64, 4))
+    def forward(self, x):
+        return self.body(self.frozen(x))
+
+torch.manual_seed(3)
+bn_base = BNNet()
+bn_auto, bn_ddp = copy.deepcopy(bn_base), copy.deepcopy(bn_base)
+"""
+
+BN_LOOP = """
+torch.manual_seed(7)                      # same dropout masks in both modes
+loader = DataLoader(data, batch_size=32, shuffle=True{seed})
+opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+for epoch in range(2):
+    for i, (x, y) in enumerate(loader):
+        loss = nn.functional.cross_entropy(net(x), y) / 2
+        loss.backward()                   # gradient accumulation: 2 micro-batches per step
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_batchnorm_dropout_frozen_layer_and_gradient_accumulation(k):
+    k.ok(BN_MODEL)
+    k.ok("%%distribute\nnet = bn_auto" + BN_LOOP.format(seed="") + "bn_seed = loader.sampler.seed")
+    # Buffers become rank 0's at the end of the cell: look in the next one.
+    k.ok("%%distribute\nbn_stats = torch.cat([b.flatten().float() for b in bn_auto.buffers()])")
+    k.ok("""
+r0, r1 = jupyter_scale.get_session().gather("bn_stats")
+assert torch.equal(r0, r1), "buffers differ across ranks"
+assert torch.equal(torch.cat([b.flatten().float() for b in bn_auto.buffers()]), r0)
+assert torch.equal(bn_auto.frozen.weight, bn_base.frozen.weight), "frozen layer changed"
+assert not close(bn_auto, bn_base)
+""")
+    k.ok("%%distribute --pull bn_seed\npass")
+    k.ok("%%distribute --manual\nnet = jupyter_scale.wrap(bn_ddp)\n"
+         + BN_LOOP.format(seed="").replace("loader = DataLoader(data, batch_size=32, shuffle=True)",
+                                           "loader = jupyter_scale.shard(DataLoader(data, batch_size=32, shuffle=True), seed=bn_seed)"))
+    k.ok("""
+assert close(bn_auto, bn_ddp), (flat(bn_auto) - flat(bn_ddp)).abs().max()
+ra = dict(bn_auto.named_buffers()); rd = dict(bn_ddp.named_buffers())
+assert all(torch.allclose(ra[n].float(), rd[n].float(), atol=1e-5) for n in ra), "running stats differ from DDP's"
+""")
+
+
+def test_parameter_used_on_one_rank_only_does_not_hang(k):
+    k.ok("""
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+    def forward(self, x, use_b):
+        return self.b(x) if use_b else self.a(x)
+torch.manual_seed(0)
+branchy = Branchy()
+""")
+    k.ok("""%%distribute --timeout 60
+opt = torch.optim.SGD(branchy.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad(set_to_none=True)
+    branchy(torch.ones(2, 4), use_b=(rank == 0)).sum().backward()
+    opt.step()
+branchy_w = torch.cat([p.detach().flatten() for p in branchy.parameters()])
+""")
+    k.ok("r0, r1 = jupyter_scale.get_session().gather('branchy_w')\nassert torch.equal(r0, r1)")
+
+
+def test_explicit_wrap_and_shard_are_not_doubled(k):
+    k.ok("torch.manual_seed(0)\nm_w = Net()")
+    k.ok("""%%distribute
+import jupyter_scale.training as training
+net = jupyter_scale.wrap(m_w)
+loader = jupyter_scale.shard(DataLoader(data, batch_size=64, shuffle=True))
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+before = training.averaged_parameters
+for x, y in loader:
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+n_batches, averaged_by_us = len(loader), training.averaged_parameters - before
+""")
+    assert k.value("jupyter_scale.get_session().gather('n_batches')") == [16, 16]  # not 8: sharded once
+    assert k.value("jupyter_scale.get_session().gather('averaged_by_us')") == [0, 0]  # DDP averaged
+
+
+def test_loader_from_the_notebook_is_sharded_and_custom_samplers_are_left_alone(k):
+    k.ok("nb_loader = DataLoader(data, batch_size=64, shuffle=True)")
+    k.ok("%%distribute\nn_nb = len(nb_loader)")
+    assert k.value("jupyter_scale.get_session().gather('n_nb')") == [16, 16]
+    out = k.ok("""%%distribute
+from torch.utils.data import SequentialSampler
+custom = [DataLoader(data, batch_size=64, sampler=SequentialSampler(data)) for _ in range(2)]
+n_custom = len(custom[0])
+""")
+    assert out.stderr.count("with its own sampler is not sharded") == 1  # once, from rank 0
+    assert k.value("jupyter_scale.get_session().gather('n_custom')") == [32, 32]
+
+
+def test_manual_mode_does_nothing_automatic(k):
+    k.ok("""%%distribute --manual
+loader = DataLoader(data, batch_size=64, shuffle=True)
+n_manual = len(loader)
+""")
+    assert k.value("jupyter_scale.get_session().gather('n_manual')") == [32, 32]
