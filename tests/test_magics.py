@@ -18,6 +18,12 @@ for x, y in loader:
 assert isinstance(model, nn.Linear)
 assert len(jupyter_scale.history()) == 4
 """)
+    # The DESIGN.md loop, as it is under %%distribute, runs locally too.
+    from test_automatic import DESIGN_LOOP, NOTEBOOK
+
+    k.ok(NOTEBOOK)
+    k.ok(DESIGN_LOOP.split("\n", 1)[1])
+    assert k.value("len(jupyter_scale.history())") == 4 + 3 * 32
     assert k.descendants() == []
 
 
