@@ -71,3 +71,19 @@ def kernel_for_usage():
     yield k
     assert k.descendants() == []
     k.shutdown()
+
+
+def test_scale_start_restart_stop(fresh_kernel):
+    k = fresh_kernel
+    k.ok("%scale start --workers 2")
+    first = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    assert "2 workers" in k.ok("%scale status").stdout
+    again = k.cell("%scale start")
+    assert "UsageError: a cluster of 2 workers is already running" in again.stderr
+    k.ok("%scale restart")
+    second = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    assert len(second) == 2 and not set(first) & set(second)  # fresh worker processes
+    out = k.ok("%%distribute\nprint('up', rank)")
+    assert "[rank 1] up 1" in out.stdout and "starting" not in out.stdout  # reused, not restarted
+    assert "stopped 2 workers" in k.ok("%scale stop").stdout
+    assert k.descendants() == []
