@@ -106,7 +106,7 @@ def tcp_socket_inodes() -> set[int]:
 
 
 def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
-               device: torch.device) -> set[int]:
+               device: torch.device, timeout: datetime.timedelta | None = None) -> set[int]:
     """Join the group; returns the inodes of the sockets the group opened."""
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -115,7 +115,8 @@ def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
     # unblocks its peers' collectives by cutting its connections (see abort_group).
     # The real one, also when a worker has replaced it for torchrun-style cells.
     init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
-    init(backend, store=store, rank=rank, world_size=world_size)
+    options = {"timeout": timeout} if timeout is not None else {}
+    init(backend, store=store, rank=rank, world_size=world_size, **options)
     return tcp_socket_inodes() - before
 
 
@@ -137,12 +138,7 @@ def cut_connections(group_sockets: set[int]) -> None:
     if not group_sockets or not os.path.isdir("/proc/self/fd"):
         return
     for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and int(target[8:-1]) in group_sockets:
-            _shutdown_fd(int(fd))
+        _shutdown_if_ours(int(fd), group_sockets)
 
 
 ABORT_KEY = "jupyter_scale/abort"
@@ -178,29 +174,39 @@ class AbortWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=2 * self._poll + 1)
 
 
 def request_abort(master_addr: str, port: int) -> None:
     """From the kernel: make every rank's AbortWatch cut its connections."""
-    connect_store(master_addr, port, None, timeout=5).add(ABORT_KEY, 1)
+    connect_store(master_addr, port, None, timeout=2).add(ABORT_KEY, 1)
 
 
-def _shutdown_fd(fd: int) -> None:
+def _shutdown_if_ours(fd: int, group_sockets: set[int]) -> None:
     try:
-        # fromfd dup()s: shutdown acts on the shared socket, close only on the dup, so
-        # the fd gloo owns stays valid (no reuse of its number by something else).
-        sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+        # dup() first, then check the dup's inode: the number `fd` may be closed and
+        # reused by another socket meanwhile, the dup cannot. Shutdown acts on the
+        # shared socket; only the dup is closed, so gloo's own fd stays valid.
+        dup = os.dup(fd)
     except OSError:
         return
     try:
-        # Only connections: shutting gloo's listening socket down makes its accept loop
-        # throw, which terminates the process.
-        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already disconnected
+        if os.fstat(dup).st_ino not in group_sockets:
+            return
+        sock = socket.socket(fileno=dup)
+        dup = -1  # the socket object owns it now
+        try:
+            # Only connections: shutting gloo's listening socket down makes its accept
+            # loop throw, which terminates the process.
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already disconnected
+        finally:
+            sock.close()
     finally:
-        sock.close()
+        if dup >= 0:
+            os.close(dup)
 
 
 def destroy_group() -> None:

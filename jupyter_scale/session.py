@@ -329,6 +329,7 @@ class ScaleSession(LoggingConfigurable):
         started = time.monotonic()
         first_failure: float | None = None
         interrupted_at: float | None = None
+        abort_requested = False
         self._user_interrupted = False
         timed_out = False
 
@@ -344,9 +345,6 @@ class ScaleSession(LoggingConfigurable):
                 finished = [r for r in headers if r not in lost]
                 if finished:  # fire and forget: the reply is tiny
                     backend.submit(worker.leave_group, ranks=finished)
-                # Ranks blocked in a collective among themselves: their watch threads cut
-                # the group's connections when asked through the store.
-                self._request_abort()
                 interrupted_at = time.monotonic()
 
         while True:
@@ -377,6 +375,11 @@ class ScaleSession(LoggingConfigurable):
                     print(f"jupyter_scale: --timeout {timeout:g} s reached; stopping ranks {silent}",
                           file=sys.stderr, flush=True)
                     stop_running("timeout")
+                if interrupted_at is not None and not abort_requested and now - interrupted_at > self.abort_grace:
+                    # Still running after SIGINT: ranks blocked in a collective among
+                    # themselves. Their watch threads cut the group when asked.
+                    abort_requested = True
+                    self._request_abort()
                 if interrupted_at is not None and now - interrupted_at > self.stop_deadline:
                     stuck = [r for r in job.ranks if r not in headers and r not in lost]
                     self._group_ready = False

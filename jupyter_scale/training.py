@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Subset
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler, Subset)
 
 
 # Every DDP model built on this worker: automatic mode must not average their gradients
@@ -48,7 +49,7 @@ def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
     wrapped = DistributedDataParallel(model, **ddp_options)
     # Remembered so the worker can wrap the model again if the process group is re-formed.
     wrapped._jupyter_scale_options = options
-    DDP_MODELS.add(wrapped)
+    _register_ddp(wrapped)
     return wrapped
 
 
@@ -114,7 +115,9 @@ def shard(data: Any, *, shuffle: bool | None = None, seed: int = 0, drop_last: b
                         "jupyter_scale's `rank` and `world_size` inside the dataset instead")
     if isinstance(data, Dataset) or hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         indices = list(DistributedSampler(data, shuffle=False, drop_last=drop_last))
-        return Subset(data, indices)
+        part = Subset(data, indices)
+        part._jupyter_scale_shard = True  # automatic mode must not shard it again
+        return part
     raise TypeError(f"shard() takes a DataLoader or a Dataset, not {type(data).__name__}")
 
 
@@ -156,8 +159,8 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def _average_gradients(optimizer: torch.optim.Optimizer, skip: set[int]) -> None:
-    """Average the gradients of `optimizer`'s parameters across ranks, in buckets.
+def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
+    """Average the gradients of `params` across ranks, in buckets.
 
     A parameter can have a gradient on some ranks and not on others (a branch that only
     some ranks' data takes): one small collective first agrees on which parameters have
@@ -165,8 +168,7 @@ def _average_gradients(optimizer: torch.optim.Optimizer, skip: set[int]) -> None
     parameter with a gradient nowhere keeps `grad=None` (frozen, unused, or zeroed with
     set_to_none), as it would locally.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]
-              if p.requires_grad and id(p) not in skip]
+    params = [p for p in params if p.requires_grad and id(p) not in skip]
     if not params:
         return
     world = dist.get_world_size()
@@ -206,64 +208,110 @@ def _buckets(params: list[torch.Tensor]):
         yield bucket
 
 
+_active: "AutoMode | None" = None  # the automatic mode of the cell running now, if any
+
+
+def _install_patches() -> None:
+    """Install the automatic-mode hooks once per worker process; they act only in a cell.
+
+    Installed once and never removed, they dispatch on `_active`: leaving a cell (even
+    through an interrupt landing at the worst moment) is one assignment, so no patch can
+    be left half-installed or saved as someone else's "original".
+    """
+    if getattr(DataLoader.__init__, "_jupyter_scale", False):
+        return
+    import inspect
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    original_loader_init = DataLoader.__init__
+    signature = inspect.signature(original_loader_init)
+
+    def loader_init(loader, *args, **kwargs):
+        mode = _active
+        if mode is not None:
+            bound = signature.bind(loader, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            sampler = mode._sampler_for(a["dataset"], a["sampler"], a["batch_sampler"], a["shuffle"])
+            if sampler is not None:
+                a["sampler"], a["shuffle"] = sampler, None
+            args, kwargs = bound.args[1:], bound.kwargs
+        original_loader_init(loader, *args, **kwargs)
+
+    loader_init._jupyter_scale = True
+    DataLoader.__init__ = loader_init
+
+    original_ddp_init = DistributedDataParallel.__init__
+
+    def ddp_init(ddp, *args, **kwargs):
+        original_ddp_init(ddp, *args, **kwargs)
+        _register_ddp(ddp)
+
+    DistributedDataParallel.__init__ = ddp_init
+
+    def before_step(optimizer, args, kwargs):
+        return _active._before_step(optimizer, args, kwargs) if _active is not None else None
+
+    register_optimizer_step_pre_hook(before_step)
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        original_clip = getattr(torch.nn.utils, name)
+
+        def clip(parameters, *args, _original=original_clip, **kwargs):
+            # Clipping must see the averaged gradients, as it would under DDP.
+            if _active is not None and _distributed():
+                parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+                _active._average(parameters)
+            return _original(parameters, *args, **kwargs)
+
+        setattr(torch.nn.utils, name, clip)
+        setattr(torch.nn.utils.clip_grad, name, clip)
+
+
+def _register_ddp(ddp: DistributedDataParallel) -> None:
+    """Track a DDP model, and whether its forward ran since the last optimizer step."""
+    if ddp in DDP_MODELS:
+        return
+    DDP_MODELS.add(ddp)
+
+    def mark_used(module, inputs):
+        module._jupyter_scale_used = True
+
+    ddp.register_forward_pre_hook(mark_used)
+
+
 class AutoMode:
     """While a cell runs: loaders shard, optimizer steps average, DDP is not averaged twice.
 
-    Entered around each automatic-mode cell on every worker and left afterwards, so
-    nothing of it remains in the worker between cells or outside %%distribute.
+    Entered around each automatic-mode cell on every worker (`with AutoMode(...)`) and
+    left afterwards, so nothing of it acts between cells or outside %%distribute.
     """
 
     def __init__(self, seed: int, namespace: dict | None = None, warn=None):
         self.seed = seed
         self.namespace = namespace if namespace is not None else {}
-        self._hook = None
-        self._original_loader_init = None
-        self._original_ddp_init = None
         self._warned: set[str] = set()
         self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
 
-    # -- lifecycle -----------------------------------------------------------------
     def __enter__(self) -> "AutoMode":
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
+        global _active
+        _install_patches()
         seed_everything(self.seed)
-        self._install_loader_patch()
-        self._install_ddp_registry()
-        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        _active = self
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        DataLoader.__init__ = self._original_loader_init
-        DistributedDataParallel.__init__ = self._original_ddp_init
+        global _active
+        _active = None
 
     # -- DataLoaders ---------------------------------------------------------------
-    def _install_loader_patch(self) -> None:
-        import inspect
-
-        original = DataLoader.__init__
-        self._original_loader_init = original
-        signature = inspect.signature(original)
-        mode = self
-
-        def __init__(loader, *args, **kwargs):
-            bound = signature.bind(loader, *args, **kwargs)
-            bound.apply_defaults()
-            arguments = bound.arguments
-            sharded = mode._sampler_for(arguments["dataset"], arguments["sampler"], arguments["batch_sampler"],
-                                        arguments["shuffle"])
-            if sharded is not None:
-                arguments["sampler"], arguments["shuffle"] = sharded, None
-            original(*bound.args, **bound.kwargs)
-
-        DataLoader.__init__ = __init__
-
     def _sampler_for(self, dataset, sampler, batch_sampler, shuffle):
         """An epoch-aware DistributedSampler for a loader that has no sampler of its own."""
-        if isinstance(sampler, DistributedSampler) or (batch_sampler is not None and
-                                                        isinstance(getattr(batch_sampler, "sampler", None),
-                                                                   DistributedSampler)):
+        if getattr(dataset, "_jupyter_scale_shard", False):
+            return None  # shard(dataset) already gave this rank its part
+        if isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
+                                                                   DistributedSampler):
             return None
         if sampler is not None or batch_sampler is not None:
             self._warn_once("sampler", "jupyter_scale: a DataLoader with its own sampler is not sharded "
@@ -281,10 +329,14 @@ class AutoMode:
         """A DataLoader sent from the notebook is sharded like one built in the cell."""
         if not isinstance(value, DataLoader) or value.batch_size is None:
             return value
-        sampler = self._sampler_for(value.dataset, None, None, isinstance(value.sampler, RandomSampler))
-        if sampler is None:
+        if type(value.sampler) not in (SequentialSampler, RandomSampler):
+            sampler = value.sampler  # its own sampler: left alone (with the warning)
+        else:
+            sampler = None
+        sharded = self._sampler_for(value.dataset, sampler, None, isinstance(value.sampler, RandomSampler))
+        if sharded is None:
             return value
-        return DataLoader(value.dataset, sampler=sampler, **_loader_options(value))
+        return DataLoader(value.dataset, sampler=sharded, **_loader_options(value))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -292,23 +344,36 @@ class AutoMode:
             self._warn(message)
 
     # -- gradients -----------------------------------------------------------------
-    def _install_ddp_registry(self) -> None:
-        original = DistributedDataParallel.__init__
-        self._original_ddp_init = original
+    def _average(self, params) -> None:
+        # Parameters of a DDP model whose forward ran since the last step were averaged
+        # by DDP during backward; a DDP model that is merely alive changes nothing.
+        models = set(DDP_MODELS)
+        for value in self.namespace.values():
+            if isinstance(value, DistributedDataParallel) and value not in models:
+                _register_ddp(value)
+        skip = {id(p) for ddp in models if getattr(ddp, "_jupyter_scale_used", False) for p in ddp.parameters()}
+        _average_gradients(params, skip)
 
-        def __init__(ddp, *args, **kwargs):
-            original(ddp, *args, **kwargs)
-            DDP_MODELS.add(ddp)
-
-        DistributedDataParallel.__init__ = __init__
-
-    def _before_step(self, optimizer, args, kwargs) -> None:
+    def _before_step(self, optimizer, args, kwargs):
         if not _distributed():  # the cell tore the group down: steps are local again
-            return
-        # Parameters inside a DDP model were averaged by DDP during backward already.
-        models = set(DDP_MODELS) | {v for v in self.namespace.values() if isinstance(v, DistributedDataParallel)}
-        skip = {id(p) for ddp in models for p in ddp.parameters()}
-        _average_gradients(optimizer, skip)
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # The hook sees step's arguments with the optimizer itself first.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:
+            # The closure computes the gradients (LBFGS calls it many times): average
+            # after each call, not before the step.
+            def averaged_closure(*a, **kw):
+                with torch.enable_grad():
+                    loss = closure(*a, **kw)
+                self._average(params)
+                return loss
+
+            return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": averaged_closure}
+        self._average(params)
+        for ddp in list(DDP_MODELS):
+            ddp._jupyter_scale_used = False
+        return None
 
 
 def broadcast_buffers(namespace: dict) -> list[str]:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from contextlib import nullcontext
+import signal
+from contextlib import contextmanager, nullcontext
 
 from . import rendezvous, shipping, training
 from .metrics import Recorder
@@ -134,13 +135,15 @@ def _install_torchrun_compat() -> None:
         return
     original = dist.init_process_group
 
-    def init_process_group(backend=None, *args, **kwargs):
+    def init_process_group(backend=None, init_method=None, timeout=None, *args, **kwargs):
         if dist.is_initialized():
-            return None
+            return None  # the group the cell runs in
+        if _state.store is None or init_method is not None or kwargs.get("store") is not None:
+            return original(backend, init_method, timeout, *args, **kwargs)  # the user's own rendezvous
         _state.reinits += 1
         store = dist.PrefixStore(f"jupyter_scale/reinit/{_state.reinits}", _state.store)
-        _state.group_sockets |= rendezvous.init_group(store, _state.backend, _state.rank,
-                                                      _state.world_size, _state.device)
+        _state.group_sockets |= rendezvous.init_group(store, backend or _state.backend, _state.rank,
+                                                      _state.world_size, _state.device, timeout=timeout)
         return None
 
     init_process_group._jupyter_scale = True
@@ -156,6 +159,19 @@ def leave_group() -> None:
     _state.group_sockets = set()
     _state.group_ready = False
     _state.store = None
+
+
+@contextmanager
+def _sigint_ignored():
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to guard
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stop_watch() -> None:
@@ -220,11 +236,14 @@ def run_cell(request: dict, *frames: Any) -> tuple:
                 training.broadcast_buffers(_state.namespace)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
         failed_at = time.time()
-        try:
-            leave_group()
-        except BaseException:  # a second interrupt or a broken group: still answer
-            pass
-        _flush()
+        # A second SIGINT (the kernel interrupts every rank still running) must not cut
+        # the clean-up short: this rank answers, with its group cut, whatever comes.
+        with _sigint_ignored():
+            try:
+                leave_group()
+            except Exception:  # a broken group: still answer
+                pass
+            _flush()
         failure = {
             "rank": rank,
             "etype": type(exc).__name__,

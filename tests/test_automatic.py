@@ -251,3 +251,66 @@ loader = DataLoader(data, batch_size=64, shuffle=True)
 n_manual = len(loader)
 """)
     assert k.value("jupyter_scale.get_session().gather('n_manual')") == [32, 32]
+
+
+def test_gradient_clipping_sees_averaged_gradients(k):
+    k.ok("torch.manual_seed(0)\nc_auto = Net()\nc_ddp = copy.deepcopy(c_auto)")
+    loop = """
+opt = torch.optim.SGD(net.parameters(), lr=0.5)
+for x, y in loader:
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)   # clips hard: every step
+    opt.step()
+"""
+    k.ok("%%distribute\nnet = c_auto\nloader = DataLoader(data, batch_size=64, shuffle=True)" + loop
+         + "clip_seed = loader.sampler.seed")
+    k.ok("%%distribute --pull clip_seed\npass")
+    k.ok("%%distribute --manual\nnet = jupyter_scale.wrap(c_ddp)\n"
+         "loader = jupyter_scale.shard(DataLoader(data, batch_size=64, shuffle=True), seed=clip_seed)" + loop)
+    k.ok("assert close(c_auto, c_ddp), (flat(c_auto) - flat(c_ddp)).abs().max()")
+
+
+def test_closure_optimizers_average_inside_the_closure(k):
+    k.ok("torch.manual_seed(0)\nlb = nn.Linear(32, 4)")
+    k.ok("""%%distribute
+opt = torch.optim.LBFGS(lb.parameters(), lr=0.5, max_iter=5)
+xs, ys = data.tensors
+x, y = xs[rank::world_size][:256], ys[rank::world_size][:256]   # different data per rank
+def closure():
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(lb(x), y)
+    loss.backward()
+    return loss
+for _ in range(2):
+    opt.step(closure)
+lb_w = torch.cat([p.detach().flatten() for p in lb.parameters()])
+""")
+    k.ok("r0, r1 = jupyter_scale.get_session().gather('lb_w')\nassert torch.equal(r0, r1)")
+
+
+def test_samplers_and_shards_of_the_users_own_are_respected(k):
+    k.ok("from torch.utils.data import SubsetRandomSampler\n"
+         "held_in = DataLoader(data, batch_size=64, sampler=SubsetRandomSampler(list(range(128))))")
+    k.ok("""%%distribute
+seen_idx = sorted(i for b in DataLoader(jupyter_scale.shard(TensorDataset(torch.arange(1000))), batch_size=100)
+                  for i in b[0].tolist())
+n_held = sum(len(b[0]) for b in held_in)
+""")
+    s0, s1 = k.value("jupyter_scale.get_session().gather('seen_idx')")
+    assert len(s0) == len(s1) == 500 and not set(s0) & set(s1)  # shard(dataset) is not sharded twice
+    assert k.value("jupyter_scale.get_session().gather('n_held')") == [128, 128]  # its sampler kept
+
+
+def test_a_live_ddp_wrapper_does_not_stop_averaging_of_its_module(k):
+    k.ok("torch.manual_seed(0)\nwm = Net()")
+    k.ok("%%distribute --manual\nwm_ddp = jupyter_scale.wrap(wm)")
+    k.ok("""%%distribute
+opt = torch.optim.SGD(wm.parameters(), lr=0.1)
+for x, y in DataLoader(data, batch_size=64, shuffle=True):
+    opt.zero_grad()
+    nn.functional.cross_entropy(wm(x), y).backward()   # the module itself, not the wrapper
+    opt.step()
+wm_w = torch.cat([p.detach().flatten() for p in wm.parameters()])
+""")
+    k.ok("r0, r1 = jupyter_scale.get_session().gather('wm_w')\nassert torch.equal(r0, r1)")
