@@ -29,13 +29,19 @@ def get_session():
     return _session
 
 
-def history() -> list[dict]:
-    """The metrics points of the last %%distribute run (or of local `report` calls)."""
-    if _session is not None and _session.runs:
-        return _session.history()
-    from .metrics import local_recorder
+def history(as_frame: bool = False):
+    """The points of the last %%distribute run (or of local `report` calls).
 
-    return list(local_recorder.points)
+    A list of dicts (`rank`, `step`, `time`, `epoch` when given, and each reported name);
+    a pandas DataFrame with `as_frame=True`.
+    """
+    if _session is not None and _session.runs:
+        return _session.history(as_frame=as_frame)
+    from .metrics import local_recorder
+    from .session import _as_frame
+
+    points = list(local_recorder.points)
+    return _as_frame(points) if as_frame else points
 
 
 def load_ipython_extension(ip) -> None:

@@ -1,17 +1,26 @@
-"""`report(**scalars)`: record training metrics.
+"""`report(**scalars)` and the event stream from workers to the kernel.
 
-On a worker, points are recorded with the rank and a per-rank step counter and come
-back to the kernel with the cell's result (live streaming is a later step). In the
-notebook itself (no %%distribute) `report` records locally, so the same cell runs there.
+On a worker, `report` stamps each point with rank, step (counted per rank unless given),
+epoch and time, and hands it to an `EventSink`: appending to a queue is all the training
+loop pays. A sender thread ships the queue in batches every 50 ms over a ZeroMQ PUSH
+socket to the kernel's `EventStream` (PULL, bound to 127.0.0.1). The same stream carries
+the workers' state changes. Nothing is dropped silently: a batch that cannot be sent is
+counted, and the kernel compares what arrived with what each rank says it sent.
+
+In the notebook itself (no %%distribute) `report` records locally, so the same cell runs.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import numbers
+import threading
 import time
 from typing import Any
 
 import torch
+import zmq
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -27,10 +36,11 @@ def _scalar(name: str, value: Any) -> float:
 
 
 class Recorder:
-    """Collects the points one process reports."""
+    """Collects the points one process reports (and streams them when it has a sink)."""
 
-    def __init__(self, rank: int = 0):
+    def __init__(self, rank: int = 0, sink: "EventSink | None" = None):
         self.rank = rank
+        self.sink = sink
         self.points: list[dict] = []
         self._step = 0
 
@@ -45,7 +55,10 @@ class Recorder:
             point["epoch"] = int(epoch)
         for name, value in scalars.items():
             point[name] = _scalar(name, value)
-        self.points.append(point)
+        if self.sink is not None:
+            self.sink.emit(point)
+        else:
+            self.points.append(point)
 
     def drain(self) -> list[dict]:
         points, self.points = self.points, []
@@ -58,3 +71,145 @@ local_recorder = Recorder(rank=0)
 def report(step: int | None = None, epoch: int | None = None, **scalars: Any) -> None:
     """Record metrics, e.g. ``report(loss=loss)``; in the notebook this records locally."""
     local_recorder.report(step=step, epoch=epoch, **scalars)
+
+
+# --------------------------------------------------------------------------------------
+# Worker to kernel
+# --------------------------------------------------------------------------------------
+
+SEND_INTERVAL_S = 0.05
+
+
+class EventSink:
+    """Worker side: a queue and a thread that sends it in batches, never blocking training."""
+
+    def __init__(self, address: str, rank: int):
+        self.address, self.rank = address, rank
+        self.sent = 0  # events handed to ZeroMQ
+        self.dropped = 0  # events that could not be (counted, reported, never silent)
+        self._queue: collections.deque = collections.deque()
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 10_000)  # batches, not events
+        self._socket.setsockopt(zmq.LINGER, 2000)
+        self._socket.connect(address)
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="jupyter_scale-events", daemon=True)
+        self._thread.start()
+
+    def emit(self, event: dict) -> None:
+        self._queue.append(event)  # deque.append is atomic: no lock on the training path
+
+    def state(self, state: str, **details: Any) -> None:
+        self.emit({"kind": "state", "rank": self.rank, "state": state, "time": time.time(), **details})
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Send everything queued so far; True when the queue emptied in time."""
+        self._idle.clear()
+        self._wake.set()
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self.flush(timeout=2.0)
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(SEND_INTERVAL_S)
+            self._wake.clear()
+            batch = []
+            while self._queue:
+                batch.append(self._queue.popleft())
+            if batch:
+                message = json.dumps({"rank": self.rank, "events": batch, "sent_before": self.sent})
+                try:
+                    self._socket.send_string(message, zmq.NOBLOCK)
+                    self.sent += len(batch)
+                except zmq.ZMQError:  # the kernel is not reading (or gone): count, go on
+                    self.dropped += len(batch)
+            if not self._queue:
+                self._idle.set()
+            if self._closed:
+                self._socket.close()
+                return
+
+
+class EventStream:
+    """Kernel side: receives every worker's batches; `drain()` hands over what arrived."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._events: collections.deque = collections.deque()
+        self.received: collections.Counter = collections.Counter()  # rank -> events
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jupyter_scale-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._closed.is_set():
+            if not poller.poll(100):
+                continue
+            message = json.loads(self._socket.recv_string())
+            self._events.extend(message["events"])
+            self.received[message["rank"]] += len(message["events"])
+        self._socket.close()
+
+    def drain(self) -> list[dict]:
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2.0)
+
+
+class TextProgress:
+    """The plain-text view of a run, for where no widget frontend is attached.
+
+    One concise line every few seconds, e.g. ``step 120  loss r0 0.431 r1 0.452  210 steps/s``,
+    not one line per report.
+    """
+
+    def __init__(self, interval: float = 2.0):
+        self.interval = interval
+        self.last: dict[int, dict] = {}  # rank -> latest metric point
+        self._printed_at = time.monotonic()
+        self._steps_at_print: dict[int, int] = {}
+        self._fresh = False
+
+    def add(self, point: dict) -> None:
+        self.last[point["rank"]] = point
+        self._fresh = True
+
+    def due(self) -> bool:
+        return self._fresh and time.monotonic() - self._printed_at >= self.interval
+
+    def line(self) -> str:
+        now = time.monotonic()
+        ranks = sorted(self.last)
+        step = max(self.last[r]["step"] for r in ranks) + 1
+        names = [k for k in self.last[ranks[0]] if k not in ("rank", "step", "time", "epoch", "kind")]
+        parts = [f"step {step}"]
+        epoch = self.last[ranks[0]].get("epoch")
+        if epoch is not None:
+            parts.append(f"epoch {epoch}")
+        for name in names[:3]:
+            values = " ".join(f"r{r} {self.last[r][name]:.4g}" for r in ranks if name in self.last[r])
+            parts.append(f"{name} {values}")
+        elapsed = now - self._printed_at
+        done = self.last[ranks[0]]["step"] + 1
+        if ranks[0] in self._steps_at_print and elapsed > 0:
+            parts.append(f"{(done - self._steps_at_print[ranks[0]]) / elapsed:.0f} steps/s")
+        self._steps_at_print[ranks[0]] = done
+        self._printed_at, self._fresh = now, False
+        return "  ".join(parts)

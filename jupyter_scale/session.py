@@ -18,7 +18,7 @@ import torch
 from traitlets import Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
-from . import rendezvous, shipping, worker
+from . import metrics, rendezvous, shipping, worker
 from .backends import Backend, Job, Output, WorkerLost, create_backend
 from .errors import ClusterError, DistributeError, RankFailure, RemoteError
 
@@ -35,6 +35,8 @@ class RunRecord:
     skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
     pulled: list[str] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
+    states: list[dict] = field(default_factory=list)  # workers' state changes, in arrival order
+    lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)
     status: str = "running"  # running, finished, failed, interrupted, timed out
     error: str = ""
     started: float = field(default_factory=time.time)
@@ -92,6 +94,8 @@ class ScaleSession(LoggingConfigurable):
                              "(a torn-down process group unblocks them) before interrupting them.")
     stop_deadline = Float(15.0, config=True,
                           help="Seconds interrupted ranks get to stop before the cell gives up on them.")
+    progress_interval = Float(2.0, config=True,
+                              help="Seconds between the plain-text progress lines of a running cell.")
     poll_interval = Float(0.1, config=True,
                           help="Longest wait between checks for deadlines while a cell runs "
                                "(results and output wake the kernel at once).")
@@ -108,6 +112,7 @@ class ScaleSession(LoggingConfigurable):
         self._group_ready = False
         self._user_interrupted = False
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
+        self.events: metrics.EventStream | None = None  # workers -> kernel, one per session
 
     # ------------------------------------------------------------------------------
     # Cluster
@@ -144,6 +149,9 @@ class ScaleSession(LoggingConfigurable):
     def stop(self) -> None:
         backend, self.backend = self.backend, None
         self._forget_workers()
+        if self.events is not None:  # frees its port; the next run binds a new one
+            self.events.close()
+            self.events = None
         if backend is None or not backend.running:
             return
         try:
@@ -261,6 +269,7 @@ class ScaleSession(LoggingConfigurable):
             "modules": modules,
             "pull": pull,
             "auto": not manual,
+            "events": self._event_stream().address,
             # Drawn from the notebook's RNG, as the cell would draw locally: a notebook that
             # calls torch.manual_seed gets the same worker runs every time.
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
@@ -276,7 +285,7 @@ class ScaleSession(LoggingConfigurable):
             job.release()
         record.elapsed = time.time() - record.started
         for header in headers.values():
-            record.metrics.extend(header.get("metrics", []))
+            record.metrics.extend(header.get("metrics", []))  # points recorded without a stream
         record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
 
         if lost:
@@ -299,6 +308,32 @@ class ScaleSession(LoggingConfigurable):
         record.status = "finished"
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
         return record
+
+    def _event_stream(self) -> metrics.EventStream:
+        if self.events is None:
+            self.events = metrics.EventStream()
+        return self.events
+
+    def _take_events(self, record: RunRecord, progress: metrics.TextProgress) -> None:
+        for event in self.events.drain() if self.events is not None else ():
+            if event.get("kind") == "state":
+                record.states.append(event)
+                continue
+            record.metrics.append(event)
+            progress.add(event)
+
+    def _collect_last_events(self, headers: dict[int, dict], record: RunRecord,
+                             progress: metrics.TextProgress) -> None:
+        """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
+        deadline = time.monotonic() + 2.0
+        expected = {r: h.get("events_sent", 0) for r, h in headers.items()}
+        while self.events is not None and time.monotonic() < deadline:
+            if all(self.events.received[r] >= n for r, n in expected.items()):
+                break
+            time.sleep(0.01)
+        self._take_events(record, progress)
+        missing = sum(max(0, n - self.events.received[r]) for r, n in expected.items()) if self.events else 0
+        record.lost_events = missing + sum(h.get("events_dropped", 0) for h in headers.values())
 
     def _transform(self, code: str) -> str:
         if self.shell is not None:
@@ -332,6 +367,7 @@ class ScaleSession(LoggingConfigurable):
         abort_requested = False
         self._user_interrupted = False
         timed_out = False
+        progress = metrics.TextProgress(self.progress_interval)
 
         def stop_running(reason: str) -> None:
             nonlocal interrupted_at
@@ -350,6 +386,9 @@ class ScaleSession(LoggingConfigurable):
         while True:
             try:
                 self._emit(job.new_output(), labeler)
+                self._take_events(record, progress)
+                if progress.due():
+                    _write("stdout", f"jupyter_scale: {progress.line()}\n")
                 for rank in job.ranks:
                     if rank in headers or rank in lost or not job.done(rank):
                         continue
@@ -397,6 +436,11 @@ class ScaleSession(LoggingConfigurable):
         self._emit(job.new_output(), labeler)
         for stream, text in labeler.flush():
             _write(stream, text)
+        self._collect_last_events(headers, record, progress)
+        if progress.last:
+            _write("stdout", f"jupyter_scale: {progress.line()}  ({time.monotonic() - started:.1f} s)\n")
+        if record.lost_events:
+            _write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
         if timed_out:
             for f in failures:
                 f.interrupted = False
@@ -459,9 +503,12 @@ class ScaleSession(LoggingConfigurable):
             raise KeyError(f"{name!r} is not defined on ranks {missing}")
         return [shipping.loads(a[1], a[2:]) for a in answers]
 
-    def history(self) -> list[dict]:
-        """The metrics points the last run reported (all ranks, in time order)."""
-        return list(self.runs[-1].metrics) if self.runs else []
+    def history(self, as_frame: bool = False):
+        """The points the last run reported (all ranks, in time order): a list of dicts with
+        `rank`, `step`, `time`, `epoch` (when given) and each reported name, or a pandas
+        DataFrame with `as_frame=True`."""
+        points = list(self.runs[-1].metrics) if self.runs else []
+        return _as_frame(points) if as_frame else points
 
 
 def _is_ipython_internal(name: str) -> bool:
@@ -469,6 +516,14 @@ def _is_ipython_internal(name: str) -> bool:
     return name in {"_", "In", "Out", "exit", "quit", "get_ipython", "_oh", "_ih", "_dh"} or (
         name.startswith("_i") and (name[2:].isdigit() or name[2:] in {"", "i", "ii"})
     ) or (name.startswith("_") and name[1:].isdigit())
+
+
+def _as_frame(points: list[dict]):
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError("history(as_frame=True) needs pandas: pip install pandas") from None
+    return pandas.DataFrame(points)
 
 
 def _write(stream: str, text: str) -> None:

@@ -23,7 +23,7 @@ import signal
 from contextlib import contextmanager, nullcontext
 
 from . import rendezvous, shipping, training
-from .metrics import Recorder
+from .metrics import EventSink, Recorder
 
 # Names every cell sees; they are set again before each cell so they stay truthful.
 INJECTED_NAMES = ("rank", "world_size", "local_rank", "device", "report")
@@ -45,6 +45,7 @@ class _WorkerState:
     backend: str = "gloo"
     reinits: int = 0
     watch: Any = None  # rendezvous.AbortWatch of the current group
+    sink: Any = None  # metrics.EventSink to the kernel's event stream
 
 
 _state = _WorkerState()
@@ -220,6 +221,9 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     received = False
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
+    sink = _connect_events(request.get("events"))
+    if sink is not None:
+        sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
     try:
         with mode:
             _state.receiver.device = _state.device
@@ -252,14 +256,18 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             "time": failed_at,
             "interrupted": isinstance(exc, KeyboardInterrupt),
         }
+        with _sigint_ignored():
+            counts = _close_events(sink, "failed", error=failure["etype"])
         return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
-                 "received": received, "metrics": _state.recorder.drain(), "elapsed": failed_at - started},)
+                 "received": received, "metrics": _state.recorder.drain(), "elapsed": failed_at - started,
+                 **counts},)
     _flush()
     import torch.distributed as dist
 
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
-              "metrics": _state.recorder.drain(), "elapsed": time.time() - started}
+              "metrics": _state.recorder.drain(), "elapsed": time.time() - started,
+              **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
         header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames)
@@ -301,6 +309,28 @@ def gather_value(name: str) -> tuple:
     if name not in _state.namespace:
         return ({"rank": _state.rank, "missing": True},)
     return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name]))
+
+
+def _connect_events(address: str | None) -> EventSink | None:
+    """The sink to the kernel's event stream (kept across cells while the address holds)."""
+    if not address:
+        _state.recorder.sink = None
+        return None
+    if _state.sink is None or _state.sink.address != address or _state.sink.rank != _state.rank:
+        if _state.sink is not None:
+            _state.sink.close()
+        _state.sink = EventSink(address, _state.rank)
+    _state.recorder.sink = _state.sink
+    return _state.sink
+
+
+def _close_events(sink: EventSink | None, state: str, **details) -> dict:
+    """Final state event, then everything sent: the kernel has all points with the reply."""
+    if sink is None:
+        return {}
+    sink.state(state, **details)
+    sink.flush()
+    return {"events_sent": sink.sent, "events_dropped": sink.dropped}
 
 
 def _warn(message: str) -> None:
