@@ -147,6 +147,9 @@ class EventStream:
         self.address = f"tcp://{host}:{port}"
         self._events: collections.deque = collections.deque()
         self.received: collections.Counter = collections.Counter()  # rank -> events
+        # Seconds from report() on a worker to arrival here, for the latest events (the
+        # clocks agree on one host; across hosts this includes their offset).
+        self.latencies: collections.deque = collections.deque(maxlen=100_000)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-stream", daemon=True)
         self._thread.start()
@@ -158,6 +161,8 @@ class EventStream:
             if not poller.poll(100):
                 continue
             message = json.loads(self._socket.recv_string())
+            arrived = time.time()
+            self.latencies.extend(arrived - e["time"] for e in message["events"] if "time" in e)
             self._events.extend(message["events"])
             self.received[message["rank"]] += len(message["events"])
         self._socket.close()
