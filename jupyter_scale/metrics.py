@@ -213,8 +213,8 @@ class TextProgress:
             parts.append(f"{name} {values}")
         elapsed = now - self._printed_at
         done = self.last[ranks[0]]["step"] + 1
-        if ranks[0] in self._steps_at_print and elapsed > 0:
-            parts.append(f"{(done - self._steps_at_print[ranks[0]]) / elapsed:.0f} steps/s")
+        if elapsed > 0 and done > self._steps_at_print.get(ranks[0], 0):
+            parts.append(f"{(done - self._steps_at_print.get(ranks[0], 0)) / elapsed:.0f} steps/s")
         self._steps_at_print[ranks[0]] = done
         self._printed_at, self._fresh = now, False
         return "  ".join(parts)
