@@ -10,14 +10,20 @@ from .backends import available_backends
 from .session import ScaleSession
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"--workers takes a whole number, not {text!r}") from None
-    if value < 1:
-        raise UsageError(f"--workers must be at least 1, not {value}")
-    return value
+def _positive_int_named(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise UsageError(f"{flag} takes a whole number, not {text!r}") from None
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, not {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _positive_int_named("--workers")
 
 
 def _positive_float(text: str) -> float:
@@ -69,6 +75,8 @@ class ScaleMagics(Magics):
     @argument("--timeout", type=_positive_float, default=None,
               help="fail the cell if it is still running after this many seconds (default: no limit)")
     @argument("--backend", default=None, help="cluster engine for a new cluster (default: ipyparallel)")
+    @argument("--steps", type=_positive_int_named("--steps"), default=None,
+              help="total optimizer steps the cell will run (for progress and ETA)")
     @argument("--manual", action="store_true",
               help="no automatic sharding, gradient averaging or seeding: the cell calls "
                    "jupyter_scale.wrap/shard or torch.distributed itself")
@@ -112,7 +120,8 @@ class ScaleMagics(Magics):
         self._choose_backend(args.backend)
         if not cell.strip():
             raise UsageError("%%distribute needs a cell body to run")
-        self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual)
+        self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
+                         steps=args.steps)
 
     @magic_arguments()
     @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart"],

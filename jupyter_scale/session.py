@@ -7,6 +7,7 @@ same code as the magics.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import time
@@ -94,6 +95,10 @@ class ScaleSession(LoggingConfigurable):
                              "(a torn-down process group unblocks them) before interrupting them.")
     stop_deadline = Float(15.0, config=True,
                           help="Seconds interrupted ranks get to stop before the cell gives up on them.")
+    display = Unicode("auto", config=True,
+                      help="How a running cell shows its progress: 'widget' (the live dashboard), "
+                           "'text' (a line every few seconds), or 'auto': the widget in a kernel "
+                           "that a Jupyter server or VS Code started, text elsewhere (nbval, terminals).")
     progress_interval = Float(2.0, config=True,
                               help="Seconds between the plain-text progress lines of a running cell.")
     poll_interval = Float(0.1, config=True,
@@ -243,7 +248,7 @@ class ScaleSession(LoggingConfigurable):
     # Running cells
     # ------------------------------------------------------------------------------
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
-            timeout: float | None = None, manual: bool = False) -> RunRecord:
+            timeout: float | None = None, manual: bool = False, steps: int | None = None) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
@@ -274,12 +279,14 @@ class ScaleSession(LoggingConfigurable):
             # calls torch.manual_seed gets the same worker runs every time.
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
         }
+        view = _RunView(self, record, steps)
         job = self.backend.submit(worker.run_cell, request, *shipment.frames)
         try:
-            headers, frames_back, failures, lost = self._wait(job, record, timeout)
-        except BaseException:
-            record.status = "failed"
+            headers, frames_back, failures, lost = self._wait(job, record, timeout, view)
+        except BaseException as exc:
+            record.status, record.error = "failed", str(exc)
             self.shipper.discard()
+            view.finish(record)
             raise
         finally:
             job.release()
@@ -302,10 +309,12 @@ class ScaleSession(LoggingConfigurable):
             error = RemoteError(failures)
             record.status = "interrupted" if all(f.interrupted for f in failures) else "failed"
             record.error = str(error)
+            view.finish(record)
             if record.status == "interrupted" and self._user_interrupted:
                 raise KeyboardInterrupt(f"interrupted; ranks stopped: {sorted(f.rank for f in failures)}")
             raise error
         record.status = "finished"
+        view.finish(record)
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
         return record
 
@@ -314,16 +323,12 @@ class ScaleSession(LoggingConfigurable):
             self.events = metrics.EventStream()
         return self.events
 
-    def _take_events(self, record: RunRecord, progress: metrics.TextProgress) -> None:
+    def _take_events(self, record: RunRecord, view: "_RunView") -> None:
         for event in self.events.drain() if self.events is not None else ():
-            if event.get("kind") == "state":
-                record.states.append(event)
-                continue
-            record.metrics.append(event)
-            progress.add(event)
+            (record.states if event.get("kind") == "state" else record.metrics).append(event)
+            view.add(event)
 
-    def _collect_last_events(self, headers: dict[int, dict], record: RunRecord,
-                             progress: metrics.TextProgress) -> None:
+    def _collect_last_events(self, headers: dict[int, dict], record: RunRecord, view: "_RunView") -> None:
         """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
         deadline = time.monotonic() + 2.0
         expected = {r: h.get("events_sent", 0) for r, h in headers.items()}
@@ -331,7 +336,7 @@ class ScaleSession(LoggingConfigurable):
             if all(self.events.received[r] >= n for r, n in expected.items()):
                 break
             time.sleep(0.01)
-        self._take_events(record, progress)
+        self._take_events(record, view)
         missing = sum(max(0, n - self.events.received[r]) for r, n in expected.items()) if self.events else 0
         record.lost_events = missing + sum(h.get("events_dropped", 0) for h in headers.values())
 
@@ -353,7 +358,7 @@ class ScaleSession(LoggingConfigurable):
             and not _is_ipython_internal(n)
         ]
 
-    def _wait(self, job: Job, record: RunRecord, timeout: float | None):
+    def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "_RunView"):
         """Stream output until every rank answered; stop the others after a failure."""
         backend = self.backend
         labeler = _LineLabeler()
@@ -367,7 +372,6 @@ class ScaleSession(LoggingConfigurable):
         abort_requested = False
         self._user_interrupted = False
         timed_out = False
-        progress = metrics.TextProgress(self.progress_interval)
 
         def stop_running(reason: str) -> None:
             nonlocal interrupted_at
@@ -386,9 +390,8 @@ class ScaleSession(LoggingConfigurable):
         while True:
             try:
                 self._emit(job.new_output(), labeler)
-                self._take_events(record, progress)
-                if progress.due():
-                    _write("stdout", f"jupyter_scale: {progress.line()}\n")
+                self._take_events(record, view)
+                view.tick()
                 for rank in job.ranks:
                     if rank in headers or rank in lost or not job.done(rank):
                         continue
@@ -436,9 +439,7 @@ class ScaleSession(LoggingConfigurable):
         self._emit(job.new_output(), labeler)
         for stream, text in labeler.flush():
             _write(stream, text)
-        self._collect_last_events(headers, record, progress)
-        if progress.last:
-            _write("stdout", f"jupyter_scale: {progress.line()}  ({time.monotonic() - started:.1f} s)\n")
+        self._collect_last_events(headers, record, view)
         if record.lost_events:
             _write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
         if timed_out:
@@ -516,6 +517,72 @@ def _is_ipython_internal(name: str) -> bool:
     return name in {"_", "In", "Out", "exit", "quit", "get_ipython", "_oh", "_ih", "_dh"} or (
         name.startswith("_i") and (name[2:].isdigit() or name[2:] in {"", "i", "ii"})
     ) or (name.startswith("_") and name[1:].isdigit())
+
+
+class _RunView:
+    """What the user sees of a running cell: the live dashboard or periodic text lines."""
+
+    MAX_RATE = 10.0  # dashboard updates per second at most, whatever the report rate
+
+    def __init__(self, session: "ScaleSession", record: RunRecord, total_steps: int | None):
+        self.text = metrics.TextProgress(session.progress_interval)
+        self.feed = None
+        self.widget = self.handle = None
+        self._pushed_at, self._dirty = 0.0, False
+        self._started = time.monotonic()
+        if _wants_widget(session):
+            from IPython.display import display
+
+            from .widgets import Dashboard, DashboardFeed
+
+            self.feed = DashboardFeed(record.workers, total_steps)
+            self.widget = Dashboard()
+            self.feed.push(self.widget)
+            self.handle = display(self.widget, display_id=True)
+
+    def add(self, event: dict) -> None:
+        if self.feed is not None:
+            self.feed.add(event)
+            self._dirty = True
+        elif event.get("kind") != "state":
+            self.text.add(event)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.feed is not None:
+            if self._dirty and now - self._pushed_at >= 1.0 / self.MAX_RATE:
+                self.feed.push(self.widget)
+                self._pushed_at, self._dirty = now, False
+        elif self.text.due():
+            _write("stdout", f"jupyter_scale: {self.text.line()}\n")
+
+    def finish(self, record: RunRecord) -> None:
+        if self.feed is None:
+            if self.text.last:
+                _write("stdout", f"jupyter_scale: {self.text.line()}  ({time.monotonic() - self._started:.1f} s)\n")
+            return
+        self.feed.finish(record.status, record.error, record.lost_events)
+        self.feed.push(self.widget)
+        if self.handle is None:  # not in a kernel: nothing to update
+            return
+        # Keep a static picture next to the live view: it is what a reopened notebook shows.
+        from .widgets import snapshot_html
+
+        bundle = self.widget._repr_mimebundle_() or {}
+        if isinstance(bundle, tuple):  # (data, metadata)
+            bundle = bundle[0]
+        bundle = dict(bundle)
+        bundle["text/html"] = snapshot_html(self.feed)
+        self.handle.update(bundle, raw=True)
+
+
+def _wants_widget(session: "ScaleSession") -> bool:
+    if session.display != "auto":
+        return session.display == "widget"
+    shell = session.shell
+    in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
+    frontend = "JPY_SESSION_NAME" in os.environ or "VSCODE_PID" in os.environ
+    return in_kernel and frontend
 
 
 def _as_frame(points: list[dict]):

@@ -70,7 +70,7 @@ class Kernel:
                 out.error = content
             elif kind == "execute_result":
                 out.result = content["data"].get("text/plain")
-            elif kind == "display_data":
+            elif kind in ("display_data", "update_display_data"):
                 out.displays.append(content["data"])
             elif kind == "status" and content["execution_state"] == "idle":
                 return out

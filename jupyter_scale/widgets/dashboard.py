@@ -1,0 +1,152 @@
+"""Dashboard widget and the kernel-side aggregation that feeds it.
+
+`DashboardFeed` is plain Python (tested without a browser): it folds the event stream
+into what the dashboard shows. `Dashboard` is the anywidget whose synced traits carry
+that; the Session pushes to it at most `max_rate` times a second whatever the report rate.
+`snapshot_html` renders the same content as static HTML, left in the output when the run
+ends, so the notebook stays readable when reopened without a kernel.
+"""
+
+from __future__ import annotations
+
+import html
+import pathlib
+import time
+
+import anywidget
+import traitlets
+
+MAX_POINTS = 400  # per rank on the chart; the full history stays in the kernel
+_META = ("rank", "step", "time", "epoch", "kind")
+
+
+class Dashboard(anywidget.AnyWidget):
+    _esm = pathlib.Path(__file__).with_name("dashboard.js")
+    _css = pathlib.Path(__file__).with_name("dashboard.css")
+
+    state = traitlets.Unicode("starting").tag(sync=True)  # starting running finished failed interrupted
+    message = traitlets.Unicode("").tag(sync=True)
+    metric = traitlets.Unicode("").tag(sync=True)  # the charted name (the first one reported)
+    series = traitlets.Dict().tag(sync=True)  # {"0": [[step, value], ...], ..., "mean": [...]}
+    progress = traitlets.Dict().tag(sync=True)  # step, total, epoch, rate, eta, elapsed
+    workers = traitlets.List().tag(sync=True)  # one row per rank
+    lost = traitlets.Int(0).tag(sync=True)
+
+
+class DashboardFeed:
+    """Folds events into the dashboard's content: per-rank curves, progress, worker rows."""
+
+    def __init__(self, world_size: int, total_steps: int | None = None):
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.started = time.monotonic()
+        self.metric = ""
+        self.curves: dict[int, list[list[float]]] = {r: [] for r in range(world_size)}
+        self.rows: dict[int, dict] = {r: {"rank": r, "state": "starting"} for r in range(world_size)}
+        self.state, self.message, self.lost = "starting", "", 0
+        self._rate_mark: dict[int, tuple[float, int]] = {}
+
+    def add(self, event: dict) -> None:
+        rank = event.get("rank", 0)
+        row = self.rows.setdefault(rank, {"rank": rank})
+        if event.get("kind") == "state":
+            row.update({k: event[k] for k in ("state", "host", "pid", "device", "rss") if k in event})
+            if event["state"] == "running" and self.state == "starting":
+                self.state = "running"
+            return
+        if not self.metric:
+            self.metric = next((k for k in event if k not in _META), "")
+        row["last_step"] = event["step"]
+        if "epoch" in event:
+            row["epoch"] = event["epoch"]
+        now = time.monotonic()
+        mark_time, mark_step = self._rate_mark.setdefault(rank, (now, event["step"]))
+        if now - mark_time >= 1.0:
+            row["steps_per_s"] = round((event["step"] - mark_step) / (now - mark_time), 1)
+            self._rate_mark[rank] = (now, event["step"])
+        if self.metric in event:
+            self.curves.setdefault(rank, []).append([event["step"], event[self.metric]])
+
+    def finish(self, state: str, message: str = "", lost: int = 0) -> None:
+        self.state, self.message, self.lost = state, message, lost
+        for row in self.rows.values():
+            if row.get("state") == "running":
+                row["state"] = state if state != "failed" else "stopped"
+
+    def series(self) -> dict:
+        out = {str(r): _downsample(c) for r, c in sorted(self.curves.items()) if c}
+        by_step: dict[float, list[float]] = {}
+        for curve in self.curves.values():
+            for step, value in curve:
+                by_step.setdefault(step, []).append(value)
+        mean = [[s, sum(v) / len(v)] for s, v in sorted(by_step.items()) if len(v) == len(self.curves)]
+        if mean and len(self.curves) > 1:
+            out["mean"] = _downsample(mean)
+        return out
+
+    def progress(self) -> dict:
+        steps = [row.get("last_step", -1) + 1 for row in self.rows.values()]
+        step = max(steps) if steps else 0
+        elapsed = time.monotonic() - self.started
+        rates = [row["steps_per_s"] for row in self.rows.values() if row.get("steps_per_s")]
+        rate = min(rates) if rates else (step / elapsed if elapsed > 0 else 0.0)
+        info = {"step": step, "elapsed": round(elapsed, 1), "rate": round(rate, 1)}
+        epochs = [row["epoch"] for row in self.rows.values() if "epoch" in row]
+        if epochs:
+            info["epoch"] = max(epochs)
+        if self.total_steps:
+            info["total"] = self.total_steps
+            if rate > 0:
+                info["eta"] = round(max(0, self.total_steps - step) / rate, 1)
+        return info
+
+    def push(self, widget: Dashboard) -> None:
+        with widget.hold_sync():  # one message for all traits
+            widget.state, widget.message, widget.metric = self.state, self.message, self.metric
+            widget.series, widget.progress = self.series(), self.progress()
+            # Copies: traitlets compares with the previous value, which would share these dicts.
+            widget.workers = [dict(self.rows[r]) for r in sorted(self.rows)]
+            widget.lost = self.lost
+
+
+def _downsample(curve: list[list[float]], limit: int = MAX_POINTS) -> list[list[float]]:
+    if len(curve) <= limit:
+        return [list(p) for p in curve]
+    stride = len(curve) / limit
+    picked = [curve[int(i * stride)] for i in range(limit - 1)] + [curve[-1]]
+    return [list(p) for p in picked]
+
+
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+
+
+def snapshot_html(feed: DashboardFeed) -> str:
+    """The dashboard as static HTML + SVG (what the notebook keeps once the kernel is gone)."""
+    series = feed.series()
+    width, height, pad = 420, 160, 28
+    points = [p for curve in series.values() for p in curve]
+    lines = []
+    if points:
+        x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
+        y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
+        sx = (width - 2 * pad) / ((x1 - x0) or 1)
+        sy = (height - 2 * pad) / ((y1 - y0) or 1)
+        for i, (name, curve) in enumerate(series.items()):
+            xy = " ".join(f"{pad + (s - x0) * sx:.1f},{height - pad - (v - y0) * sy:.1f}" for s, v in curve)
+            style = 'stroke="#000" stroke-dasharray="4 3"' if name == "mean" else f'stroke="{_COLORS[i % 8]}"'
+            label = "mean" if name == "mean" else f"rank {name}"
+            lines.append(f'<polyline data-series="{label}" fill="none" stroke-width="1.5" {style} points="{xy}"/>')
+        lines.append(f'<text x="{pad}" y="14" font-size="11">{html.escape(feed.metric)} '
+                     f'({y0:.4g} to {y1:.4g}), steps {x0:g} to {x1:g}</text>')
+    progress = feed.progress()
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(row.get(k, '')))}</td>"
+                         for k in ("rank", "host", "pid", "device", "state", "last_step", "steps_per_s")) + "</tr>"
+        for _, row in sorted(feed.rows.items()))
+    head = "".join(f"<th>{h}</th>" for h in ("rank", "host", "pid", "device", "state", "last step", "steps/s"))
+    status = html.escape(f"{feed.state}{': ' + feed.message if feed.message else ''}")
+    lost = f" · {feed.lost} points lost" if feed.lost else ""
+    return (f'<div class="jupyter-scale-snapshot"><b>jupyter_scale</b> · {status} · step {progress["step"]}'
+            f' · {progress["elapsed"]} s{lost}'
+            f'<svg width="{width}" height="{height}" style="display:block">{"".join(lines)}</svg>'
+            f'<table><tr>{head}</tr>{rows}</table></div>')

@@ -1,0 +1,92 @@
+"""The dashboard widget at the message level (no browser): content, order, rate cap, snapshot."""
+
+import time
+
+from jupyter_scale.session import RunRecord, _RunView
+from jupyter_scale.widgets import Dashboard, DashboardFeed, snapshot_html
+
+
+def events(n, ranks=(0, 1)):
+    for i in range(n):
+        for r in ranks:
+            yield {"rank": r, "step": i, "time": time.time(), "epoch": i // 100, "loss": 1.0 / (i + 1) + r}
+
+
+def test_events_from_two_ranks_reach_the_widget_model_in_order():
+    feed = DashboardFeed(world_size=2, total_steps=300)
+    feed.add({"kind": "state", "rank": 0, "state": "running", "pid": 11, "host": "h", "device": "cpu"})
+    feed.add({"kind": "state", "rank": 1, "state": "running", "pid": 12, "host": "h", "device": "cpu"})
+    for e in events(200):
+        feed.add(e)
+    widget = Dashboard()
+    sent = []
+    widget._send = lambda msg, buffers=None: sent.append(msg)
+    feed.push(widget)
+    assert len(sent) == 1  # hold_sync: all traits in one message
+    state = sent[0]["state"]
+    assert state["metric"] == "loss" and state["state"] == "running"
+    for r in ("0", "1"):
+        steps = [p[0] for p in state["series"][r]]
+        assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 199
+    assert state["series"]["mean"][0] == [0, 1.5]  # mean of rank 0's 1.0 and rank 1's 2.0
+    assert [w["pid"] for w in state["workers"]] == [11, 12]
+    assert state["workers"][1]["last_step"] == 199 and state["progress"]["total"] == 300
+    assert state["progress"]["step"] == 200 and state["progress"]["epoch"] == 1
+    feed.finish("finished")
+    feed.push(widget)  # rows changed in place must still be sent
+    assert [w["state"] for w in sent[-1]["state"]["workers"]] == ["finished", "finished"]
+
+
+def test_long_runs_are_downsampled_for_the_chart_only():
+    feed = DashboardFeed(world_size=1)
+    for e in events(10_000, ranks=(0,)):
+        feed.add(e)
+    curve = feed.series()["0"]
+    assert len(curve) <= 400 and curve[0][0] == 0 and curve[-1][0] == 9999
+    assert len(feed.curves[0]) == 10_000
+
+
+class _Session:
+    progress_interval = 2.0
+    display = "widget"
+    shell = None
+
+
+def test_updates_are_capped_at_ten_a_second_whatever_the_report_rate(monkeypatch):
+    monkeypatch.setattr("jupyter_scale.session._wants_widget", lambda session: True)
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    view = _RunView(_Session(), RunRecord(index=1, workers=2), total_steps=None)
+    pushes = []
+    original = view.feed.push
+    view.feed.push = lambda widget: (pushes.append(time.monotonic()), original(widget))
+    started = time.monotonic()
+    for e in events(20_000):  # far more than 10 reports per second
+        view.add(e)
+        view.tick()
+    elapsed = time.monotonic() - started
+    assert len(pushes) <= elapsed * _RunView.MAX_RATE + 2
+    assert all(b - a >= 1 / _RunView.MAX_RATE - 1e-3 for a, b in zip(pushes, pushes[1:]))
+
+
+def test_snapshot_shows_each_rank_and_the_final_state():
+    feed = DashboardFeed(world_size=2)
+    for e in events(50):
+        feed.add(e)
+    feed.finish("failed", "rank 1 failed: ValueError: bad")
+    html = snapshot_html(feed)
+    assert 'data-series="rank 0"' in html and 'data-series="rank 1"' in html and 'data-series="mean"' in html
+    assert "failed: rank 1 failed: ValueError: bad" in html
+
+
+def test_a_kernel_with_a_frontend_shows_the_dashboard_and_keeps_a_snapshot(kernel):
+    kernel.ok("jupyter_scale.get_session().display = 'widget'")
+    try:
+        out = kernel.ok("%%distribute --workers 2 --steps 50\nfor i in range(50):\n    report(loss=1.0 / (i + 1))")
+    finally:
+        kernel.ok("jupyter_scale.get_session().display = 'auto'")
+    views = [d for d in out.displays if "application/vnd.jupyter.widget-view+json" in d]
+    assert views, out.displays
+    final = out.displays[-1]
+    assert "text/html" in final and 'data-series="rank 1"' in final["text/html"]
+    assert "finished" in final["text/html"]
+    assert "jupyter_scale: step" not in out.stdout  # the widget replaces the text lines
