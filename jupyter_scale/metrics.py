@@ -117,9 +117,17 @@ class EventSink:
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
+        import psutil
+
+        process, stats_at = psutil.Process(), 0.0
         while True:
             self._wake.wait(SEND_INTERVAL_S)
             self._wake.clear()
+            if self._queue and time.monotonic() - stats_at >= 1.0:
+                # Once a second while the rank reports: its memory, for the worker table.
+                stats_at = time.monotonic()
+                self._queue.append({"kind": "stats", "rank": self.rank, "time": time.time(),
+                                    "rss": process.memory_info().rss})
             batch = []
             while self._queue:
                 batch.append(self._queue.popleft())

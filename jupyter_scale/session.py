@@ -325,7 +325,11 @@ class ScaleSession(LoggingConfigurable):
 
     def _take_events(self, record: RunRecord, view: "_RunView") -> None:
         for event in self.events.drain() if self.events is not None else ():
-            (record.states if event.get("kind") == "state" else record.metrics).append(event)
+            kind = event.get("kind")
+            if kind == "state":
+                record.states.append(event)
+            elif kind is None:  # a report() point
+                record.metrics.append(event)
             view.add(event)
 
     def _collect_last_events(self, headers: dict[int, dict], record: RunRecord, view: "_RunView") -> None:
@@ -544,7 +548,7 @@ class _RunView:
         if self.feed is not None:
             self.feed.add(event)
             self._dirty = True
-        elif event.get("kind") != "state":
+        elif "kind" not in event:
             self.text.add(event)
 
     def tick(self) -> None:

@@ -100,6 +100,7 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
             rows = page.locator(".jupyter-scale .js-workers tr[data-rank]")
             assert rows.count() == 2
             assert all("finished" in rows.nth(i).inner_text() for i in range(2))
+            assert all(" MB" in rows.nth(i).inner_text() for i in range(2))  # memory column
             page.locator(".jupyter-scale").first.screenshot(path=str(SCREENSHOTS / "dashboard.png"))
         finally:
             browser.close()

@@ -19,14 +19,15 @@ def test_every_event_of_every_rank_arrives_in_order():
         for s in sinks:
             assert s.flush(timeout=10)
         deadline = time.monotonic() + 10
-        while sum(stream.received.values()) < 10_000 and time.monotonic() < deadline:
+        while any(stream.received[s.rank] < s.sent for s in sinks) and time.monotonic() < deadline:
             time.sleep(0.01)
-        events = stream.drain()
+        events = [e for e in stream.drain() if "kind" not in e]  # the points (not memory stats)
         for rank in (0, 1):
             steps = [e["step"] for e in events if e["rank"] == rank]
             assert steps == list(range(5000))
             assert [e["loss"] for e in events if e["rank"] == rank] == [float(i) for i in range(5000)]
-        assert all(s.dropped == 0 for s in sinks) and stream.received == {0: 5000, 1: 5000}
+        assert all(s.dropped == 0 for s in sinks)
+        assert all(stream.received[s.rank] == s.sent for s in sinks)
         assert len(stream.address.split(":")) == 3 and "127.0.0.1" in stream.address
     finally:
         for s in sinks:
@@ -46,7 +47,7 @@ def test_a_sink_without_a_reader_counts_what_it_could_not_send():
                 sink.flush(timeout=5)
         sink.flush(timeout=5)
         assert time.monotonic() - t0 < 60  # a generous bound: it must not block forever
-        assert sink.sent + sink.dropped == 50_000
+        assert sink.sent + sink.dropped >= 50_000  # every point accounted for (+ memory stats)
     finally:
         sink.close()
 

@@ -49,8 +49,8 @@ function render({ model, el }) {
     if (lost) text += ` · ${lost} points lost`;
     q(".js-progress").textContent = text;
     chart(q(".js-chart"), model.get("series"), model.get("metric"));
-    const cols = ["rank", "host", "pid", "device", "state", "last_step", "steps_per_s"];
-    const head = "<tr>" + ["rank", "host", "pid", "device", "state", "last step", "steps/s"]
+    const cols = ["rank", "host", "pid", "device", "state", "last_step", "steps_per_s", "memory"];
+    const head = "<tr>" + ["rank", "host", "pid", "device", "state", "last step", "steps/s", "memory"]
       .map(c => `<th>${c}</th>`).join("") + "</tr>";
     const table = q(".js-workers");
     table.innerHTML = head;

@@ -50,9 +50,12 @@ class DashboardFeed:
         rank = event.get("rank", 0)
         row = self.rows.setdefault(rank, {"rank": rank})
         if event.get("kind") == "state":
-            row.update({k: event[k] for k in ("state", "host", "pid", "device", "rss") if k in event})
+            row.update({k: event[k] for k in ("state", "host", "pid", "device") if k in event})
             if event["state"] == "running" and self.state == "starting":
                 self.state = "running"
+            return
+        if event.get("kind") == "stats":
+            row["memory"] = f"{event['rss'] / 2**20:.0f} MB"
             return
         if not self.metric:
             self.metric = next((k for k in event if k not in _META), "")
@@ -141,9 +144,11 @@ def snapshot_html(feed: DashboardFeed) -> str:
     progress = feed.progress()
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(row.get(k, '')))}</td>"
-                         for k in ("rank", "host", "pid", "device", "state", "last_step", "steps_per_s")) + "</tr>"
+                         for k in ("rank", "host", "pid", "device", "state", "last_step", "steps_per_s",
+                                   "memory")) + "</tr>"
         for _, row in sorted(feed.rows.items()))
-    head = "".join(f"<th>{h}</th>" for h in ("rank", "host", "pid", "device", "state", "last step", "steps/s"))
+    head = "".join(f"<th>{h}</th>" for h in ("rank", "host", "pid", "device", "state", "last step", "steps/s",
+                                             "memory"))
     status = html.escape(f"{feed.state}{': ' + feed.message if feed.message else ''}")
     lost = f" · {feed.lost} points lost" if feed.lost else ""
     return (f'<div class="jupyter-scale-snapshot"><b>jupyter_scale</b> · {status} · step {progress["step"]}'
