@@ -291,8 +291,6 @@ class ScaleSession(LoggingConfigurable):
         finally:
             job.release()
         record.elapsed = time.time() - record.started
-        for header in headers.values():
-            record.metrics.extend(header.get("metrics", []))  # points recorded without a stream
         record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
 
         if lost:

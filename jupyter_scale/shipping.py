@@ -408,7 +408,7 @@ class _StructurePickler(cloudpickle.Pickler):
     def __init__(self, file, tensors: dict):
         super().__init__(file, protocol=5, buffer_callback=self._hash_buffer)
         self.tensors = tensors  # id -> (tensor, array, digest, meta), shared with _ShipPickler
-        self.keys: list[int] = []
+        self.keys: dict[int, None] = {}  # ids in first-seen order (an ordered set)
         self.buffer_digests: list[bytes] = []
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:  # numpy arrays and the like
@@ -421,8 +421,7 @@ class _StructurePickler(cloudpickle.Pickler):
         if found is None:
             array, meta = _tensor_bytes(obj)
             found = self.tensors[id(obj)] = (obj, array, _digest(array), meta)
-        if id(obj) not in self.keys:
-            self.keys.append(id(obj))
+        self.keys.setdefault(id(obj))
         return ("t", id(obj), found[3])
 
 
@@ -468,7 +467,7 @@ class Shipper:
         h.update(repr(id(value)).encode())  # a new object is a new value, even if equal
         for d in pickler.buffer_digests:
             h.update(d)
-        return h.digest(), pickler.keys
+        return h.digest(), list(pickler.keys)
 
     def plan(self, values: dict[str, Any]) -> Plan:
         """Pickle and hash every value; the first one that cannot be pickled is named."""

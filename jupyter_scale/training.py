@@ -297,6 +297,11 @@ class AutoMode:
     def __enter__(self) -> "AutoMode":
         global _active
         _install_patches()
+        # DDP models made before the hooks existed (e.g. in an earlier --manual cell):
+        # registered once here, not looked for at every optimizer step.
+        for value in self.namespace.values():
+            if isinstance(value, DistributedDataParallel):
+                _register_ddp(value)
         seed_everything(self.seed)
         _active = self
         return self
@@ -347,11 +352,8 @@ class AutoMode:
     def _average(self, params) -> None:
         # Parameters of a DDP model whose forward ran since the last step were averaged
         # by DDP during backward; a DDP model that is merely alive changes nothing.
-        models = set(DDP_MODELS)
-        for value in self.namespace.values():
-            if isinstance(value, DistributedDataParallel) and value not in models:
-                _register_ddp(value)
-        skip = {id(p) for ddp in models if getattr(ddp, "_jupyter_scale_used", False) for p in ddp.parameters()}
+        skip = {id(p) for ddp in list(DDP_MODELS) if getattr(ddp, "_jupyter_scale_used", False)
+                for p in ddp.parameters()}
         _average_gradients(params, skip)
 
     def _before_step(self, optimizer, args, kwargs):

@@ -259,14 +259,14 @@ def run_cell(request: dict, *frames: Any) -> tuple:
         with _sigint_ignored():
             counts = _close_events(sink, "failed", error=failure["etype"])
         return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
-                 "received": received, "metrics": _state.recorder.drain(), "elapsed": failed_at - started,
+                 "received": received, "elapsed": failed_at - started,
                  **counts},)
     _flush()
     import torch.distributed as dist
 
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
-              "metrics": _state.recorder.drain(), "elapsed": time.time() - started,
+              "elapsed": time.time() - started,
               **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
