@@ -124,10 +124,16 @@ class ScaleMagics(Magics):
                          steps=args.steps)
 
     @magic_arguments()
-    @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart"],
+    @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart", "connect"],
               help="what to do (default: status)")
-    @argument("-n", "--workers", type=_positive_int, default=None, help="workers for start/restart")
+    @argument("address", nargs="?", default=None,
+              help="for connect: a Dask scheduler address (tcp://10.0.0.5:8786) or an ipyparallel "
+                   "ipcontroller-client.json file")
+    @argument("-n", "--workers", type=_positive_int, default=None,
+              help="workers for start/restart; for connect, how many to use (waits for them)")
     @argument("--backend", default=None, help="cluster engine for start (default: ipyparallel)")
+    @argument("--profile", default=None, help="for connect: an ipyparallel profile (ipcluster start --profile P)")
+    @argument("--cluster-id", default=None, help="for connect: an ipyparallel cluster id within the profile")
     @line_magic
     def scale(self, line: str):
         """Manage the cluster behind %%distribute.
@@ -139,22 +145,42 @@ class ScaleMagics(Magics):
             %scale                      # status: engine, workers, ranks, last run
             %scale start --workers 4
             %scale restart              # fresh workers, same size
-            %scale stop                 # stops every process the cluster started
+            %scale stop                 # stops every process the cluster started (or disconnects)
+            %scale connect tcp://10.0.0.5:8786            # a running Dask scheduler
+            %scale connect --profile mpi --workers 8      # a running ipcluster
         """
         args = _parse(self.scale, line)
-        if args.workers is not None and args.action not in ("start", "restart"):
-            raise UsageError(f"--workers goes with start or restart, not {args.action}")
-        self._choose_backend(args.backend)
+        if args.workers is not None and args.action not in ("start", "restart", "connect"):
+            raise UsageError(f"--workers goes with start, restart or connect, not {args.action}")
+        where = args.address or args.profile or args.cluster_id
+        if args.action != "connect" and where:
+            raise UsageError(f"an address, --profile or --cluster-id goes with connect, not {args.action}")
         session = self.session
+        if args.action == "connect":
+            if not where:
+                raise UsageError("connect to what? %scale connect tcp://HOST:PORT (Dask) or "
+                                 "%scale connect --profile NAME (ipyparallel)")
+            if args.address and (args.profile or args.cluster_id):
+                raise UsageError("give a Dask scheduler address or an ipyparallel --profile/--cluster-id, not both")
+            if args.backend:
+                raise UsageError("connect finds the engine from what it connects to; drop --backend")
+            if session.running:
+                raise UsageError(f"a cluster of {session.size} workers is already running; %scale stop it first")
+            session.connect(args.address, workers=args.workers, profile=args.profile, cluster_id=args.cluster_id)
+            return
+        self._choose_backend(args.backend)
         if args.action == "start":
             if session.running:
                 raise UsageError(f"a cluster of {session.size} workers is already running "
                                  "(%scale restart --workers N to change it)")
             session.start(args.workers)
         elif args.action == "stop":
-            was = session.size
+            was, connected = session.size, session.connection is not None and session.running
             session.stop()
-            print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")
+            if connected:
+                print(f"jupyter_scale: disconnected; the cluster's {was} workers keep running")
+            else:
+                print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")
         elif args.action == "restart":
             session.restart(args.workers)
         else:
@@ -166,12 +192,15 @@ def format_status(info: dict) -> str:
         text = f"jupyter_scale: no cluster running (backend {info['backend']})"
     else:
         group = info.get("group", {})
-        text = (f"jupyter_scale: {info['backend']} cluster, {info['workers']} workers; process group "
+        kind = "connected" if info.get("connected") else "local"
+        text = (f"jupyter_scale: {kind} {info['backend']} cluster, {info['workers']} workers; process group "
                 f"{group.get('backend', '?')} at {group.get('master_addr', '?')}:{group.get('master_port', '?')}"
                 f"{'' if group.get('ready') else ' (re-forms at the next cell)'}")
         if info.get("lost"):
             text += (f"\n  the worker of rank(s) {info['lost']} died: the next %%distribute "
                      "restarts the cluster (or run %scale restart)")
+        if info.get("scheduler"):
+            text += f"\n  scheduler {info['scheduler']}" + (f", dashboard {info['dashboard']}" if info.get("dashboard") else "")
         for r in info.get("ranks", []):
             text += f"\n  rank {r['rank']}: pid {r['pid']} on {r['hostname']}, device {r.get('device', '?')}"
     if "last_run" in info:

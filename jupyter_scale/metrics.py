@@ -17,7 +17,7 @@ import json
 import numbers
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import zmq
@@ -80,18 +80,50 @@ def report(step: int | None = None, epoch: int | None = None, **scalars: Any) ->
 SEND_INTERVAL_S = 0.05
 
 
+class _ZmqTransport:
+    """Batches to the kernel's EventStream over a ZeroMQ PUSH socket (never blocks)."""
+
+    def __init__(self, address: str):
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 10_000)  # batches, not events
+        self._socket.setsockopt(zmq.LINGER, 2000)
+        self._socket.connect(address)
+
+    def send(self, message: str) -> bool:
+        try:
+            self._socket.send_string(message, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:  # the kernel is not reading (or gone)
+            return False
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+# Address scheme -> transport factory. An engine with its own channel to the kernel (Dask's
+# event topics) registers one, so workers that cannot reach the kernel's loopback port
+# still stream their points.
+_TRANSPORTS: dict[str, Callable[[str], Any]] = {"tcp": _ZmqTransport}
+
+
+def register_transport(scheme: str, factory: Callable[[str], Any]) -> None:
+    """`factory(address)` -> an object with `send(message: str) -> bool` and `close()`."""
+    _TRANSPORTS[scheme] = factory
+
+
 class EventSink:
     """Worker side: a queue and a thread that sends it in batches, never blocking training."""
 
     def __init__(self, address: str, rank: int):
         self.address, self.rank = address, rank
-        self.sent = 0  # events handed to ZeroMQ
+        self.sent = 0  # events handed to the transport
         self.dropped = 0  # events that could not be (counted, reported, never silent)
         self._queue: collections.deque = collections.deque()
-        self._socket = zmq.Context.instance().socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, 10_000)  # batches, not events
-        self._socket.setsockopt(zmq.LINGER, 2000)
-        self._socket.connect(address)
+        scheme = address.split("://", 1)[0]
+        if scheme not in _TRANSPORTS:
+            raise ValueError(f"no event transport for {address!r}")
+        # Created here, in the caller's thread: some transports need that thread's context.
+        self._transport = _TRANSPORTS[scheme](address)
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._closed = False
@@ -133,31 +165,60 @@ class EventSink:
                 batch.append(self._queue.popleft())
             if batch:
                 message = json.dumps({"rank": self.rank, "events": batch, "sent_before": self.sent})
-                try:
-                    self._socket.send_string(message, zmq.NOBLOCK)
+                if self._transport.send(message):
                     self.sent += len(batch)
-                except zmq.ZMQError:  # the kernel is not reading (or gone): count, go on
+                else:
                     self.dropped += len(batch)
             if not self._queue:
                 self._idle.set()
             if self._closed:
-                self._socket.close()
+                self._transport.close()
                 return
 
 
-class EventStream:
-    """Kernel side: receives every worker's batches; `drain()` hands over what arrived."""
+class EventQueue:
+    """Kernel side: the batches every worker's sink sent; `drain()` hands over what arrived.
 
-    def __init__(self, host: str = "127.0.0.1"):
-        self._socket = zmq.Context.instance().socket(zmq.PULL)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+    `accept` is called by whatever carries the batches: the ZeroMQ stream below, or an
+    engine's own channel.
+    """
+
+    address = ""
+
+    def __init__(self) -> None:
         self._events: collections.deque = collections.deque()
         self.received: collections.Counter = collections.Counter()  # rank -> events
         # Seconds from report() on a worker to arrival here, for the latest events (the
         # clocks agree on one host; across hosts this includes their offset).
         self.latencies: collections.deque = collections.deque(maxlen=100_000)
+
+    def accept(self, text: str) -> None:
+        """Take one batch a sink sent (from any thread)."""
+        message = json.loads(text)
+        arrived = time.time()
+        self.latencies.extend(arrived - e["time"] for e in message["events"] if "time" in e)
+        self._events.extend(message["events"])
+        self.received[message["rank"]] += len(message["events"])
+
+    def drain(self) -> list[dict]:
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
+
+    def close(self) -> None:
+        pass
+
+
+class EventStream(EventQueue):
+    """The ZeroMQ PULL end, bound to loopback (workers on the kernel's host)."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__()
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-stream", daemon=True)
         self._thread.start()
@@ -168,18 +229,8 @@ class EventStream:
         while not self._closed.is_set():
             if not poller.poll(100):
                 continue
-            message = json.loads(self._socket.recv_string())
-            arrived = time.time()
-            self.latencies.extend(arrived - e["time"] for e in message["events"] if "time" in e)
-            self._events.extend(message["events"])
-            self.received[message["rank"]] += len(message["events"])
+            self.accept(self._socket.recv_string())
         self._socket.close()
-
-    def drain(self) -> list[dict]:
-        events = []
-        while self._events:
-            events.append(self._events.popleft())
-        return events
 
     def close(self) -> None:
         self._closed.set()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
-from traitlets import Float, Integer, Unicode
+from traitlets import Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from . import metrics, rendezvous, shipping, worker
@@ -84,8 +84,10 @@ class _LineLabeler:
 class ScaleSession(LoggingConfigurable):
     """The kernel's handle on its cluster and the cells it distributes."""
 
-    backend_name = Unicode("ipyparallel", config=True,
-                           help="Cluster engine for the embedded cluster (see `jupyter_scale.backends`).")
+    backend_name = Unicode(config=True,
+                           help="Cluster engine for the embedded cluster: 'ipyparallel' or 'dask' (any "
+                                "engine in the `jupyter_scale.backends` entry-point group). Default: "
+                                "$JUPYTER_SCALE_BACKEND, else ipyparallel.")
     default_workers = Integer(2, config=True,
                               help="Workers to start when %%distribute has no --workers and no cluster runs.")
     start_timeout = Float(120.0, config=True,
@@ -105,6 +107,10 @@ class ScaleSession(LoggingConfigurable):
                           help="Longest wait between checks for deadlines while a cell runs "
                                "(results and output wake the kernel at once).")
 
+    @default("backend_name")
+    def _default_backend_name(self) -> str:
+        return os.environ.get("JUPYTER_SCALE_BACKEND", "").strip() or "ipyparallel"
+
     def __init__(self, namespace: dict | None = None, shell: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.shell = shell
@@ -117,7 +123,10 @@ class ScaleSession(LoggingConfigurable):
         self._group_ready = False
         self._user_interrupted = False
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
-        self.events: metrics.EventStream | None = None  # workers -> kernel, one per session
+        self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
+        # Set by connect(): (backend name, where) of a running cluster to attach to instead
+        # of starting one; restarts re-attach, stop() forgets it.
+        self.connection: tuple[str, dict] | None = None
 
     # ------------------------------------------------------------------------------
     # Cluster
@@ -131,27 +140,74 @@ class ScaleSession(LoggingConfigurable):
         return self.backend.size if self.running else 0
 
     def start(self, workers: int | None = None) -> None:
-        n = workers or self.default_workers
-        if n < 1:
-            raise ValueError(f"workers must be at least 1, not {n}")
+        """Start the embedded cluster (or attach to the connected one) and form the group."""
         if self.running:
             raise ClusterError(f"a cluster of {self.size} workers is already running; "
                                "use %scale restart --workers N to change it")
-        print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
-              flush=True)
         started = time.monotonic()
-        backend = create_backend(self.backend_name)
-        backend.start(n, timeout=self.start_timeout)
+        if self.connection is not None:
+            name, where = self.connection
+            backend = create_backend(name)
+            print(f"jupyter_scale: connecting to the {name} cluster at {_where(where)} ...", flush=True)
+            backend.connect(workers, timeout=self.start_timeout, **where)
+        else:
+            n = workers or self.default_workers
+            if n < 1:
+                raise ValueError(f"workers must be at least 1, not {n}")
+            print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
+                  flush=True)
+            backend = create_backend(self.backend_name)
+            backend.start(n, timeout=self.start_timeout)
         self.backend = backend
         try:
+            if not backend.owns_cluster:  # workers of a cluster we attach to start clean
+                backend.submit(worker.reset).wait(self.start_timeout)
             self._form_group()
         except BaseException:
-            self.stop()
+            self._shutdown()
             raise
-        print(f"jupyter_scale: {n} workers ready ({self.group['backend']}) in "
+        print(f"jupyter_scale: {backend.size} workers ready ({self.group['backend']}) in "
               f"{time.monotonic() - started:.1f} s", flush=True)
 
+    def connect(self, address: str | None = None, *, workers: int | None = None, profile: str | None = None,
+                cluster_id: str | None = None, url_file: str | None = None) -> None:
+        """Attach to a cluster someone else started, instead of starting one.
+
+        `address` is a Dask scheduler (tcp://host:port, from dask-jobqueue, dask-kubernetes,
+        `dask scheduler`) or an ipyparallel `ipcontroller-*-client.json` file; `profile` /
+        `cluster_id` / `url_file` find an ipyparallel controller (ipcluster) too. `workers`: use that many (waiting for them to join), else
+        every worker the cluster has. `stop()` disconnects and leaves the cluster running.
+        """
+        if self.running:
+            raise ClusterError(f"a cluster of {self.size} workers is already running; %scale stop it first")
+        if address and address.endswith(".json"):  # an ipyparallel controller's client file
+            address, url_file = None, address
+        if address:
+            if profile or cluster_id or url_file:
+                raise ValueError("give a Dask scheduler address or an ipyparallel profile/cluster id, not both")
+            if "://" not in address:
+                address = f"tcp://{address}"
+            name, where = "dask", {"address": address}
+        elif profile or cluster_id or url_file:
+            name = "ipyparallel"
+            where = {k: v for k, v in dict(profile=profile, cluster_id=cluster_id, url_file=url_file).items() if v}
+        else:
+            raise ValueError("connect to what? a Dask scheduler address (tcp://host:port) or an "
+                             "ipyparallel --profile / --cluster-id")
+        self.connection = (name, where)
+        try:
+            self.start(workers)
+        except BaseException:
+            self.connection = None
+            raise
+        self.backend_name = name
+
     def stop(self) -> None:
+        """Stop the embedded cluster (every process it started), or disconnect from a connected one."""
+        self._shutdown()
+        self.connection = None
+
+    def _shutdown(self) -> None:
         backend, self.backend = self.backend, None
         self._forget_workers()
         if self.events is not None:  # frees its port; the next run binds a new one
@@ -166,8 +222,9 @@ class ScaleSession(LoggingConfigurable):
         backend.stop()
 
     def restart(self, workers: int | None = None) -> None:
-        n = workers or self.size or self.default_workers
-        self.stop()
+        """Fresh workers (a connected cluster: attach again, to the workers it has now)."""
+        n = workers or (None if self.connection else self.size or self.default_workers)
+        self._shutdown()
         self.start(n)
 
     def ensure(self, workers: int | None = None) -> None:
@@ -178,18 +235,22 @@ class ScaleSession(LoggingConfigurable):
             self.start(workers)
         elif self._lost_workers:
             n = workers or self.size
-            print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} is gone; restarting "
-                  f"the cluster with {n} workers (worker variables are lost)", flush=True)
+            how = ("attaching again to the cluster's workers" if self.connection
+                   else f"restarting the cluster with {n} workers")
+            print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} is gone; {how} "
+                  "(worker variables are lost)", flush=True)
             self.restart(n)
         elif workers and workers != self.size:
+            how = "attaches again to the cluster" if self.connection else "restarts the workers"
             print(f"jupyter_scale: resizing from {self.size} to {workers} workers "
-                  "(restarts the workers: their variables are lost)", flush=True)
+                  f"({how}: their variables are lost)", flush=True)
             self.restart(workers)
         elif not self._group_ready:
             self._form_group()
 
     def status(self) -> dict:
-        info = {"running": self.running, "backend": self.backend_name, "workers": self.size}
+        info = {"running": self.running, "backend": self.backend_name, "workers": self.size,
+                "connected": self.connection is not None}
         if self.running:
             info.update(self.backend.describe())
             info["group"] = dict(self.group, ready=self._group_ready)
@@ -316,9 +377,9 @@ class ScaleSession(LoggingConfigurable):
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
         return record
 
-    def _event_stream(self) -> metrics.EventStream:
+    def _event_stream(self) -> metrics.EventQueue:
         if self.events is None:
-            self.events = metrics.EventStream()
+            self.events = self._require_backend().open_events()
         return self.events
 
     def _take_events(self, record: RunRecord, view: "_RunView") -> None:
@@ -512,6 +573,10 @@ class ScaleSession(LoggingConfigurable):
         DataFrame with `as_frame=True`."""
         points = list(self.runs[-1].metrics) if self.runs else []
         return _as_frame(points) if as_frame else points
+
+
+def _where(where: dict) -> str:
+    return where.get("address") or ", ".join(f"{k} {v}" for k, v in where.items())
 
 
 def _is_ipython_internal(name: str) -> bool:

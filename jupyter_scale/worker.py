@@ -8,19 +8,20 @@ kernel does, and one torch.distributed process group until it is torn down.
 
 from __future__ import annotations
 
+import ctypes
 import linecache
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-import signal
-from contextlib import contextmanager, nullcontext
 
 from . import rendezvous, shipping, training
 from .metrics import EventSink, Recorder
@@ -46,9 +47,55 @@ class _WorkerState:
     reinits: int = 0
     watch: Any = None  # rendezvous.AbortWatch of the current group
     sink: Any = None  # metrics.EventSink to the kernel's event stream
+    cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
 
 
 _state = _WorkerState()
+_interrupt_lock = threading.Lock()
+
+
+_interrupted = threading.Event()  # wakes the cell thread's time.sleep for an interrupt
+_original_sleep = time.sleep
+
+
+def interrupt_cell() -> bool:
+    """Raise KeyboardInterrupt in the thread running the cell, as SIGINT does in a main thread.
+
+    For engines that run cells in a worker thread (Dask), where a signal cannot reach
+    the cell. Called from another thread; fires at most once per cell and never between
+    cells or during a failed cell's clean-up. Like SIGINT, it takes effect when the cell's
+    thread next runs Python code, and it wakes a time.sleep of the cell; a rank blocked in
+    a collective is freed by the abort watch instead.
+    """
+    with _interrupt_lock:
+        ident, _state.cell_thread = _state.cell_thread, None
+        if ident is None:
+            return False
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+        _interrupted.set()
+        return True
+
+
+def _interruptible_sleep(seconds: float) -> None:
+    """time.sleep, except that in a cell running off the main thread an interrupt wakes it."""
+    if _state.cell_thread is None or threading.get_ident() != _state.cell_thread:
+        return _original_sleep(seconds)
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    _interrupted.wait(seconds)
+
+
+def _cell_may_be_interrupted(yes: bool) -> None:
+    with _interrupt_lock:
+        if yes:
+            _state.cell_thread = threading.get_ident()
+            _interrupted.clear()
+            if threading.current_thread() is not threading.main_thread() and time.sleep is _original_sleep:
+                time.sleep = _interruptible_sleep  # only the cell's own thread sleeps differently
+        else:
+            _state.cell_thread = None
+            # Drop an interrupt requested but not raised yet: it would hit the clean-up.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), ctypes.c_void_p(0))
 
 
 def describe() -> dict:
@@ -60,6 +107,15 @@ def describe() -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
     }
+
+
+def reset() -> None:
+    """Forget every cell's state: a worker of a cluster that another session used starts clean."""
+    global _state
+    leave_group()
+    if _state.sink is not None:
+        _state.sink.close()
+    _state = _WorkerState()
 
 
 def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout: float) -> int | None:
@@ -225,6 +281,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     if sink is not None:
         sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
     try:
+        _cell_may_be_interrupted(True)
         with mode:
             _state.receiver.device = _state.device
             shipped = _state.receiver.receive(request, frames)
@@ -238,7 +295,9 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             exec(code, _state.namespace)
             if auto and training._distributed():  # the cell may have destroyed the group
                 training.broadcast_buffers(_state.namespace)
+        _cell_may_be_interrupted(False)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
+        _cell_may_be_interrupted(False)
         failed_at = time.time()
         # A second SIGINT (the kernel interrupts every rank still running) must not cut
         # the clean-up short: this rank answers, with its group cut, whatever comes.

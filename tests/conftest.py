@@ -23,8 +23,11 @@ def wait_gone(processes, timeout=15.0):
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def _started_kernel():
-    k = Kernel()
+ENGINES = ["ipyparallel", "dask"]
+
+
+def _started_kernel(backend=None):
+    k = Kernel(backend=backend)
     k.ok(SETUP)
     return k
 
@@ -32,7 +35,7 @@ def _started_kernel():
 def _stop_and_check(k):
     """%scale stop, shut the kernel down, and fail if anything it started survives."""
     k.cell("%scale stop", timeout=60)
-    leftovers = k.descendants()
+    leftovers = psutil.Process(k.pid).children(recursive=True)  # the resource tracker too
     k.shutdown()
     still = wait_gone(leftovers)
     for p in still:  # clean up what we started, by pid, before failing
@@ -40,10 +43,11 @@ def _stop_and_check(k):
     assert not still, f"processes left behind by the kernel: {still}"
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    """A real kernel with jupyter_scale loaded; afterwards nothing it started may remain."""
-    k = _started_kernel()
+@pytest.fixture(scope="module", params=ENGINES)
+def kernel(request):
+    """A real kernel with jupyter_scale loaded, once per engine (picked the way users do, with
+    $JUPYTER_SCALE_BACKEND); afterwards nothing it started may remain."""
+    k = _started_kernel(request.param)
     yield k
     _stop_and_check(k)
 

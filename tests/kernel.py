@@ -31,9 +31,16 @@ class CellResult:
 class Kernel:
     """A kernel with `%load_ext jupyter_scale` run; `cell()` runs code and collects output."""
 
-    def __init__(self, startup_timeout: float = 60):
+    def __init__(self, startup_timeout: float = 60, backend: str | None = None):
+        import os
+
+        env = dict(os.environ)
+        env.pop("JUPYTER_SCALE_BACKEND", None)
+        if backend:  # the documented way to pick the default engine
+            env["JUPYTER_SCALE_BACKEND"] = backend
+        self.backend = backend or "ipyparallel"
         self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(extra_arguments=["--HistoryManager.enabled=False"])
+        self.manager.start_kernel(extra_arguments=["--HistoryManager.enabled=False"], env=env)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=startup_timeout)
@@ -96,10 +103,22 @@ class Kernel:
             children = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        return [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                and not _is_resource_tracker(p)]
 
     def shutdown(self) -> None:
         try:
             self.client.stop_channels()
         finally:
             self.manager.shutdown_kernel(now=False)
+
+
+def _is_resource_tracker(process) -> bool:
+    """multiprocessing's resource tracker: started once per kernel when Dask's nanny spawns
+    workers, holds no port, and exits with the kernel (which the fixtures check)."""
+    import psutil
+
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+    except psutil.Error:
+        return False

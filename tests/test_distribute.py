@@ -1,4 +1,4 @@
-"""%%distribute end to end: a real kernel, a real ipyparallel cluster, real gloo."""
+"""%%distribute end to end: a real kernel, a real ipyparallel or Dask cluster, real gloo."""
 
 import threading
 import psutil
@@ -318,7 +318,9 @@ def test_resize_then_stop_leaves_no_process(kernel):
     status = kernel.ok("%scale").stdout
     assert "3 workers" in status and "rank 2: pid" in status
     started = kernel.descendants()
-    assert len(started) >= 4  # controller + 3 engines (+ their nannies)
+    ranks = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    # The 3 workers (+ ipyparallel's controller; Dask's scheduler and nannies live in the kernel).
+    assert set(ranks) <= {p.pid for p in started} and len(ranks) == 3
     kernel.ok("%scale stop")
     assert wait_gone(started) == []
     assert kernel.descendants() == []

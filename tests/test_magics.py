@@ -39,7 +39,7 @@ assert len(jupyter_scale.history()) == 4
         ("%%distribute --timeout soon", "--timeout takes a number"),
         ("%%distribute --pull 1x", "--pull takes comma-separated variable names"),
         ("%scale explode", "invalid choice: 'explode'"),
-        ("%scale stop --workers 2", "--workers goes with start or restart"),
+        ("%scale stop --workers 2", "--workers goes with start, restart or connect"),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(kernel_for_usage, line, message):

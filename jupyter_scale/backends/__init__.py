@@ -82,14 +82,21 @@ class Backend(abc.ABC):
     """The engine-specific part: workers, calls, signals."""
 
     name: str = ""
+    # True for a cluster this backend started (stop() ends its processes); False for one
+    # it connected to (stop() only disconnects: the cluster is someone else's).
+    owns_cluster: bool = True
 
     @abc.abstractmethod
     def start(self, n: int, timeout: float) -> None:
         """Start a local cluster of `n` workers (loopback only) and wait for them."""
 
+    def connect(self, n: int | None, timeout: float, **where: Any) -> None:
+        """Attach to a running cluster; use `n` of its workers (default: all it has)."""
+        raise ClusterError(f"the {self.name} backend cannot connect to a running cluster")
+
     @abc.abstractmethod
     def stop(self) -> None:
-        """Stop what `start` started; afterwards none of its processes remain."""
+        """Stop what `start` started (none of its processes remain), or disconnect."""
 
     @property
     @abc.abstractmethod
@@ -119,6 +126,16 @@ class Backend(abc.ABC):
         """Engine-specific facts for `%scale status` (addresses, ids)."""
         return {}
 
+    def open_events(self):
+        """The kernel's end of the workers' event stream (metrics.EventQueue).
+
+        By default a ZeroMQ socket on the kernel's loopback; an engine whose workers may run
+        elsewhere returns a queue fed by its own channel.
+        """
+        from ..metrics import EventStream
+
+        return EventStream()
+
 
 def available_backends() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
@@ -129,4 +146,9 @@ def create_backend(name: str, **options: Any) -> Backend:
     if name not in found:
         known = ", ".join(sorted(found)) or "none installed"
         raise ClusterError(f"unknown backend {name!r} (available: {known})")
-    return found[name].load()(**options)
+    try:
+        backend_class = found[name].load()
+    except ImportError as exc:  # the engine's own package is missing
+        raise ClusterError(f"the {name} backend needs {exc.name or 'a package'} installed "
+                           f"(pip install 'jupyter_scale[{name}]'): {exc}") from exc
+    return backend_class(**options)

@@ -138,7 +138,45 @@ class IPyParallelBackend(Backend):
         self._cluster, self._client = cluster, client
         self._engine_ids = sorted(client.ids)[:n]
 
+    def connect(self, n: int | None, timeout: float, *, profile: str | None = None,
+                cluster_id: str | None = None, url_file: str | None = None, **unknown: Any) -> None:
+        """Attach to a running ipcluster: its profile (and cluster id), or its client JSON file."""
+        if unknown:
+            raise ClusterError(f"an ipyparallel cluster is found by profile, cluster id or url file, not {sorted(unknown)}")
+        if self._client is not None:
+            raise ClusterError("already attached to an ipyparallel cluster")
+        where = url_file or f"profile {profile or 'default'}" + (f", cluster id {cluster_id}" if cluster_id else "")
+        try:
+            if url_file:
+                client = ipp.Client(url_file, timeout=timeout)
+            else:
+                client = ipp.Client(profile=profile or "default", cluster_id=cluster_id or "", timeout=timeout)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise ClusterError(f"could not connect to the ipyparallel controller ({where}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        try:
+            if n:
+                client.wait_for_engines(n, timeout=timeout)
+        except BaseException as exc:
+            client.close()
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise ClusterError(f"the ipyparallel cluster ({where}) did not offer {n} engines within "
+                               f"{timeout:.0f} s: {exc}") from exc
+        if not client.ids:
+            client.close()
+            raise ClusterError(f"the ipyparallel cluster ({where}) has no engines")
+        self._client, self.owns_cluster = client, False
+        self._engine_ids = sorted(client.ids)[:n] if n else sorted(client.ids)
+
     def stop(self) -> None:
+        if not self.owns_cluster:  # someone else's cluster: disconnect only
+            client, self._client, self._engine_ids = self._client, None, []
+            if client is not None:
+                client.close()
+            return
         engines = self.local_processes()[1:]
         client, cluster = self._client, self._cluster
         self._client = self._cluster = None
@@ -166,7 +204,7 @@ class IPyParallelBackend(Backend):
 
     def describe(self) -> dict:
         if self._cluster is None:
-            return {}
+            return {"engine_ids": list(self._engine_ids), "connected": True} if self._client else {}
         return {
             "cluster_id": self._cluster.cluster_id,
             "profile_dir": self._cluster.profile_dir,

@@ -1,0 +1,540 @@
+"""Dask engine: an embedded LocalCluster on 127.0.0.1, or any running Dask scheduler.
+
+One rank per Dask worker, pinned to it (worker restrictions, no stealing), each worker a
+process with one thread, so a worker runs one rank's calls in order and keeps
+`jupyter_scale.worker`'s state (the rank's namespace, its process group) across cells.
+
+Dask runs calls in a worker thread and does not capture what they print, so each call is
+wrapped (`_call`): its stdout/stderr go to the kernel as Dask events (`Worker.log_event`
+-> `Client.subscribe_topic`), and so do the metrics points (a `dask-topic://` address
+for `metrics.EventSink`). That channel goes wherever the client reaches the scheduler,
+so workers on other hosts (dask-jobqueue, dask-kubernetes) stream too. Interrupts cannot
+be signals (they would hit the worker's event loop, in the main thread): they raise
+KeyboardInterrupt in the cell's thread (`worker.interrupt_cell`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import logging
+import os
+import pickle
+import threading
+import time
+import types
+import uuid
+from collections import deque
+from typing import Any, Callable
+
+import dask
+import psutil
+from distributed import Client, LocalCluster, get_worker
+
+from .. import metrics, worker
+from ..errors import ClusterError
+from . import Backend, Job, Output, WorkerLost
+
+log = logging.getLogger(__name__)
+
+# How long a rank's output may trail its result before the rank counts as done anyway.
+OUTPUT_GRACE_S = 2.0
+# Seconds between checks of which workers the scheduler still has (a dead worker's pinned
+# task would wait for it forever: the kernel must notice the worker is gone).
+LIVENESS_INTERVAL_S = 0.25
+# Arguments bigger than this travel once, to rank 0's worker; the others fetch them from
+# there (worker to worker), so the kernel sends a model once whatever the cluster size.
+SCATTER_MIN_BYTES = 1 << 20
+OUTPUT_INTERVAL_S = 0.05
+TOPIC_SCHEME = "dask-topic"
+
+
+# --------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------
+
+class _Payload:
+    """Values (some of them big buffers) that travel as one Dask object.
+
+    Buffers go out of band where the link pickles with protocol 5 (worker to worker,
+    client to worker); links through the scheduler use protocol 4, where they are copied in.
+    """
+
+    def __init__(self, frames: list):
+        self.frames = frames
+
+    def __reduce_ex__(self, protocol: int):
+        if protocol >= 5:  # a PickleBuffer travels as a separate frame, uncopied
+            frames = [pickle.PickleBuffer(f) if isinstance(f, memoryview) else f for f in self.frames]
+        else:  # a memoryview cannot be pickled at all
+            frames = [bytes(f) if isinstance(f, (memoryview, pickle.PickleBuffer)) else f for f in self.frames]
+        return (_Payload, (frames,))
+
+
+class _OutputPump:
+    """Sends what a call prints to the kernel, every 50 ms and when the call ends."""
+
+    def __init__(self, dask_worker, topic: str, job: str, rank: int):
+        self._worker, self._topic, self._job, self._rank = dask_worker, topic, job, rank
+        self._parts: list[list[str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jupyter_scale-output", daemon=True)
+        self._thread.start()
+        self.stdout, self.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
+
+    def add(self, stream: str, text: str) -> None:
+        with self._lock:
+            if self._parts and self._parts[-1][0] == stream:
+                self._parts[-1][1] += text
+            else:
+                self._parts.append([stream, text])
+
+    def add_display(self, data: dict, metadata: dict) -> None:
+        with self._lock:
+            self._parts.append(["display", data, metadata or {}])
+
+    def send(self, end: bool = False) -> None:
+        with self._lock:
+            parts, self._parts = self._parts, []
+        if not parts and not end:
+            return
+        message = {"job": self._job, "rank": self._rank, "parts": parts, "end": end}
+        try:
+            self._worker.log_event(self._topic, message)
+        except TypeError:  # a display bundle Dask's msgpack cannot carry: say so, keep the text
+            parts = [p if p[0] != "display" else ["stderr", "jupyter_scale: a display() output could not "
+                                                  "be sent from this worker\n"] for p in parts]
+            self._worker.log_event(self._topic, dict(message, parts=parts))
+
+    def _run(self) -> None:
+        while not self._stop.wait(OUTPUT_INTERVAL_S):
+            self.send()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self.send(end=True)
+
+
+class _Stream(io.TextIOBase):
+    def __init__(self, pump: _OutputPump, name: str):
+        self._pump, self.name = pump, name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pump.add(self.name, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._pump.send()
+
+
+_current_pump: _OutputPump | None = None
+
+
+def _display_shell() -> None:
+    """An IPython shell whose display() output goes to the kernel, as on ipyparallel engines.
+
+    Without one, IPython's display() prints the plain-text repr. The shell gets a module of
+    its own: the worker's __main__ is left alone.
+    """
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    if InteractiveShell.initialized():
+        return
+
+    class _ToKernel(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **_kw):
+            if _current_pump is not None:
+                _current_pump.add_display(data, metadata)
+
+    config = Config()
+    config.HistoryManager.enabled = False
+    InteractiveShell.instance(config=config, user_module=types.ModuleType("__jupyter_scale_display__"),
+                              display_pub_class=_ToKernel)
+
+
+def _call(fn: Callable, job: str, rank: int, topic: str, args: tuple, payload: Any = None) -> Any:
+    """What a Dask task runs: fn(*args, *payload) with its output streamed to the kernel."""
+    global _current_pump
+    if payload is not None:
+        args = (*args, *payload.frames)
+    _display_shell()
+    pump = _current_pump = _OutputPump(get_worker(), topic, job, rank)
+    try:
+        with contextlib.redirect_stdout(pump.stdout), contextlib.redirect_stderr(pump.stderr):
+            result = fn(*args)
+    finally:
+        _current_pump = None
+        pump.close()
+    return _Payload(list(result)) if isinstance(result, tuple) else result
+
+
+class _TopicTransport:
+    """metrics.EventSink transport over Dask events (created in the task's thread)."""
+
+    def __init__(self, address: str):
+        self._topic = address.split("://", 1)[1]
+        self._worker = get_worker()  # only a task's thread knows its worker
+
+    def send(self, message: str) -> bool:
+        self._worker.log_event(self._topic, message)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+metrics.register_transport(TOPIC_SCHEME, _TopicTransport)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def dask_setup(dask_worker) -> None:
+    """Dask preload hook for the embedded cluster's workers: a process group of their own.
+
+    A kernel interrupt signals the kernel's whole process group; a worker process in it
+    would take SIGINT in its event loop and die. The kernel interrupts cells itself.
+    """
+    os.setpgrp()
+
+
+async def _interrupt() -> bool:
+    # A coroutine, so Client.run can fire it without waiting: it runs in the worker's event
+    # loop, beside the busy task thread.
+    return worker.interrupt_cell()
+
+
+# --------------------------------------------------------------------------------------
+# Kernel side
+# --------------------------------------------------------------------------------------
+
+class _TopicEventQueue(metrics.EventQueue):
+    """The kernel's end of the metrics stream when it travels as Dask events."""
+
+    def __init__(self, client: Client):
+        super().__init__()
+        self._client = client
+        self._topic = f"jupyter_scale-events-{uuid.uuid4().hex[:12]}"
+        self.address = f"{TOPIC_SCHEME}://{self._topic}"
+        client.subscribe_topic(self._topic, lambda event: self.accept(event[1]))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # a closed client has no subscriptions left
+            self._client.unsubscribe_topic(self._topic)
+
+
+class _DaskJob(Job):
+    def __init__(self, backend: "DaskBackend", job_id: str, futures: dict, held: list):
+        self._backend = backend
+        self.job_id = job_id
+        self.ranks = list(futures)
+        self._futures = futures
+        self._held = held  # scattered arguments: released with the job
+        self._outputs: deque = deque()
+        self._ended: set[int] = set()
+        self._finished_at: dict[int, float] = {}
+        self._activity = threading.Event()
+        for future in futures.values():
+            future.add_done_callback(lambda _f: self._activity.set())
+
+    def on_output(self, message: dict) -> None:  # the client's event loop thread
+        rank = message["rank"]
+        for part in message["parts"]:
+            if part[0] == "display":
+                self._outputs.append(Output(rank, "display", data=part[1], metadata=part[2]))
+            else:
+                self._outputs.append(Output(rank, part[0], part[1]))
+        if message["end"]:
+            self._ended.add(rank)
+        self._activity.set()
+
+    def wait_activity(self, timeout: float) -> None:
+        self._activity.wait(timeout)
+        self._activity.clear()
+
+    def done(self, rank: int) -> bool:
+        future = self._futures[rank]
+        if future.done():
+            # A result can overtake the last output batch: wait for the end marker a little.
+            first_seen = self._finished_at.setdefault(rank, time.monotonic())
+            return rank in self._ended or time.monotonic() - first_seen > OUTPUT_GRACE_S
+        return rank in self._backend.gone_ranks()
+
+    def result(self, rank: int) -> Any:
+        future = self._futures[rank]
+        if not future.done():
+            raise WorkerLost(rank, f"its Dask worker {self._backend.address_of(rank)} left the cluster")
+        if future.status == "error":
+            exc = future.exception()
+            raise WorkerLost(rank, f"the Dask task failed: {type(exc).__name__}: {exc}")
+        if future.status != "finished":
+            raise WorkerLost(rank, f"the Dask task was {future.status}")
+        value = future.result()
+        return tuple(value.frames) if isinstance(value, _Payload) else value
+
+    def new_output(self) -> list[Output]:
+        out = []
+        while self._outputs:
+            out.append(self._outputs.popleft())
+        return out
+
+    def release(self) -> None:
+        self._backend.forget_job(self.job_id)
+        pending = [f for f in self._futures.values() if not f.done()]
+        if pending:
+            with contextlib.suppress(Exception):
+                self._backend.client.cancel(pending)
+        for future in [*self._futures.values(), *self._held]:
+            with contextlib.suppress(Exception):
+                future.release()
+        self._futures = {r: _Released() for r in self._futures}
+        self._held = []
+
+
+class _Released:
+    """What a released job holds in place of its futures."""
+
+    status = "released"
+
+    def done(self) -> bool:
+        return True
+
+
+class DaskBackend(Backend):
+    """Workers are Dask workers; rank i is the i-th worker by (host, name)."""
+
+    name = "dask"
+
+    def __init__(self, **cluster_options: Any):
+        self._cluster_options = cluster_options
+        self._cluster: LocalCluster | None = None
+        self.client: Client | None = None
+        self._addresses: list[str] = []
+        self._pids: list[int] = []
+        self._jobs: dict[str, _DaskJob] = {}
+        self._output_topic = ""
+        self._job_ids = itertools.count()
+        self._alive: set[str] = set()
+        self._alive_at = 0.0
+        self.owns_cluster = True
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self, n: int, timeout: float) -> None:
+        if self.client is not None:
+            raise ClusterError("the Dask cluster is already running")
+        options = dict(
+            n_workers=n,
+            threads_per_worker=1,  # one rank per worker, its calls in order
+            processes=True,
+            host="127.0.0.1",
+            scheduler_port=0,
+            dashboard_address="127.0.0.1:0",  # loopback, a free port (8787 may be someone else's)
+            memory_limit=0,  # no nanny killing a worker that trains a big model
+            silence_logs=logging.ERROR,
+            preload=[__name__],  # dask_setup above
+        )
+        options.update(self._cluster_options)
+        # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
+        with dask.config.set({"distributed.worker.daemon": False}):
+            try:
+                cluster = LocalCluster(**options)
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
+        try:
+            # Direct: results and big arguments go straight between the kernel and a worker,
+            # not through the scheduler (which would copy them once more).
+            client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
+            client.wait_for_workers(n, timeout=timeout)
+        except BaseException as exc:
+            cluster.close()
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
+        self._cluster, self.owns_cluster = cluster, True
+        self._attach(client, n, timeout)
+
+    def connect(self, n: int | None, timeout: float, *, address: str = "", **unknown: Any) -> None:
+        if unknown:
+            raise ClusterError(f"a Dask cluster is found by its scheduler address, not {sorted(unknown)}")
+        if self.client is not None:
+            raise ClusterError("already attached to a Dask cluster")
+        try:
+            client = Client(address, set_as_default=False, timeout=timeout)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise ClusterError(f"could not connect to the Dask scheduler at {address}: {exc}") from exc
+        self.owns_cluster = False
+        try:
+            if n:
+                client.wait_for_workers(n, timeout=timeout)
+            self._attach(client, n, timeout)
+        except BaseException as exc:
+            client.close()
+            self.client = None
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            if isinstance(exc, ClusterError):
+                raise
+            raise ClusterError(f"the Dask cluster at {address} did not offer {n} workers within "
+                               f"{timeout:.0f} s: {exc}") from exc
+
+    def _attach(self, client: Client, n: int | None, timeout: float) -> None:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        if not workers:
+            raise ClusterError("the Dask cluster has no workers (start some, or pass --workers N to wait for them)")
+        ordered = sorted(workers, key=lambda a: (workers[a].get("host", ""), str(workers[a].get("name", "")), a))
+        self.client = client
+        self._addresses = ordered[:n] if n else ordered
+        self._output_topic = f"jupyter_scale-output-{uuid.uuid4().hex[:12]}"
+        client.subscribe_topic(self._output_topic, self._route_output)
+        try:
+            self._pids = [pid for _, pid in sorted(
+                client.run(_pid, workers=self._addresses).items(), key=lambda kv: self._addresses.index(kv[0]))]
+        except Exception as exc:  # e.g. jupyter_scale is missing in the workers' environment
+            self.client = None
+            client.close()
+            raise ClusterError(f"the Dask workers cannot run jupyter_scale ({type(exc).__name__}: {exc}); "
+                               "install jupyter_scale and torch in the workers' environment") from exc
+
+    def stop(self) -> None:
+        client, cluster = self.client, self._cluster
+        processes = self.local_processes() if self.owns_cluster else []
+        self.client, self._cluster = None, None
+        self._addresses, self._pids, self._jobs = [], [], {}
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.unsubscribe_topic(self._output_topic)
+            with contextlib.suppress(Exception):  # a cluster that is gone cannot answer
+                client.close(timeout=10)
+        if cluster is not None:
+            try:
+                cluster.close(timeout=15)
+            finally:
+                # What we started, by pid: a worker that ignored the nanny is stopped here.
+                _, alive = psutil.wait_procs(processes, timeout=5)
+                for process in alive:
+                    with contextlib.suppress(psutil.Error):
+                        process.kill()
+
+    @property
+    def running(self) -> bool:
+        return self.client is not None
+
+    @property
+    def size(self) -> int:
+        return len(self._addresses)
+
+    def address_of(self, rank: int) -> str:
+        return self._addresses[rank] if rank < len(self._addresses) else "?"
+
+    def describe(self) -> dict:
+        if self.client is None:
+            return {}
+        info = {"scheduler": self.client.scheduler.address, "worker_addresses": list(self._addresses),
+                "connected": not self.owns_cluster}
+        with contextlib.suppress(Exception):  # no dashboard, or none the client knows of
+            info["dashboard"] = self.client.dashboard_link
+        return info
+
+    def local_processes(self) -> list:
+        """psutil handles of the worker processes this backend started."""
+        if not self.owns_cluster:
+            return []
+        found = []
+        for pid in self._pids:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(pid))
+        return found
+
+    def open_events(self) -> metrics.EventQueue:
+        return _TopicEventQueue(self._require_client())
+
+    # -- liveness ------------------------------------------------------------------
+    def _alive_addresses(self, fresh: bool = False) -> set[str]:
+        now = time.monotonic()
+        if fresh or now - self._alive_at > LIVENESS_INTERVAL_S:
+            try:
+                self._alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            except Exception:  # the scheduler is gone: so are its workers, for us
+                log.debug("scheduler_info failed", exc_info=True)
+                self._alive = set()
+            self._alive_at = now
+        return self._alive
+
+    def gone_ranks(self) -> list[int]:
+        alive = self._alive_addresses()
+        return [r for r, a in enumerate(self._addresses) if a not in alive]
+
+    def dead_ranks(self) -> list[int]:
+        if self.client is None:
+            return []
+        alive = self._alive_addresses(fresh=True)
+        return [r for r, a in enumerate(self._addresses) if a not in alive]
+
+    # -- calls ---------------------------------------------------------------------
+    def _require_client(self) -> Client:
+        if self.client is None:
+            raise ClusterError("no Dask cluster is attached")
+        return self.client
+
+    def _route_output(self, event: tuple) -> None:
+        message = event[1]
+        job = self._jobs.get(message.get("job"))
+        if job is not None:
+            job.on_output(message)
+
+    def _new_job(self, fn: Callable, calls: dict[int, tuple], held: list) -> _DaskJob:
+        client = self._require_client()
+        job_id = f"{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex[:8]}-{next(self._job_ids)}"
+        futures = {}
+        for rank, (args, payload) in calls.items():
+            futures[rank] = client.submit(
+                _call, fn, job_id, rank, self._output_topic, args, payload,
+                key=f"jupyter_scale-{job_id}-rank{rank}", workers=[self._addresses[rank]],
+                allow_other_workers=False, pure=False, retries=0,
+            )
+        job = _DaskJob(self, job_id, futures, held)
+        self._jobs[job_id] = job
+        return job
+
+    def forget_job(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
+        client = self._require_client()
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
+        # Leading arguments travel with each task; big trailing buffers (the shipped
+        # frames) once, to the first rank's worker, which the others fetch them from.
+        split = len(args)
+        while split > 0 and isinstance(args[split - 1], (bytes, bytearray, memoryview)):
+            split -= 1
+        head, frames = args[:split], list(args[split:])
+        payload, held = (_Payload(frames) if frames else None), []
+        if frames and sum(memoryview(f).nbytes for f in frames) >= SCATTER_MIN_BYTES:
+            payload = client.scatter(payload, workers=[self._addresses[ranks[0]]], hash=False)
+            held.append(payload)
+        return self._new_job(fn, {r: (head, payload) for r in ranks}, held)
+
+    def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
+        self._require_client()
+        return self._new_job(fn, {r: (tuple(a), None) for r, a in enumerate(args_per_rank)}, [])
+
+    def interrupt(self, ranks: list[int]) -> None:
+        if self.client is None:
+            return
+        alive = self._alive_addresses(fresh=True)
+        targets = [self._addresses[r] for r in ranks if self._addresses[r] in alive]
+        if targets:
+            self.client.run(_interrupt, workers=targets, wait=False)

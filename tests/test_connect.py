@@ -1,0 +1,186 @@
+"""`%scale connect`: attach to clusters someone else started, and leave them running.
+
+The clusters here are real CLI processes (`dask scheduler` / `dask worker`, `ipcluster`)
+on 127.0.0.1, started by the test (not by the kernel) and stopped by the test, by pid.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import SETUP, wait_gone
+from kernel import Kernel
+
+BIN = Path(sys.executable).parent
+
+TRAIN = """%%distribute
+loader = DataLoader(data, batch_size=32, shuffle=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    report(loss=loss)
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+print("host", rank, world_size)
+"""
+
+NOTEBOOK = """
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 2, (256,), generator=g))
+"""
+
+CHECK_EQUAL = """
+ws = jupyter_scale.get_session().gather("weights")
+local = torch.cat([p.detach().flatten() for p in model.parameters()])
+assert len(ws) == 2 and torch.equal(ws[0], ws[1]) and torch.equal(ws[0], local)
+"""
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} within {timeout} s")
+
+
+def _stop(processes):
+    """Stop what the test started, by pid, and check that it is gone."""
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    for p in processes:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+    assert all(p.poll() is not None for p in processes)
+
+
+@pytest.fixture
+def dask_cli_cluster(tmp_path):
+    """A scheduler and 2 single-threaded workers, as `dask` CLI processes on 127.0.0.1."""
+    scheduler_file = tmp_path / "scheduler.json"
+    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    scheduler = subprocess.Popen(
+        [BIN / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+         "--scheduler-file", scheduler_file], **quiet)
+    processes = [scheduler]
+    try:
+        _wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "no scheduler file")
+        address = json.loads(scheduler_file.read_text())["address"]
+        for _ in range(2):
+            processes.append(subprocess.Popen(
+                [BIN / "dask", "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
+                 "--no-dashboard", "--memory-limit", "0"], **quiet))
+        from distributed import Client
+
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+        yield address, processes
+    finally:
+        _stop(processes)
+
+
+def test_connect_to_a_dask_cli_cluster_trains_and_leaves_it_running(dask_cli_cluster):
+    address, processes = dask_cli_cluster
+    k = Kernel()
+    try:
+        k.ok(SETUP)
+        k.ok(NOTEBOOK)
+        out = k.ok(f"%scale connect {address}", timeout=120)
+        assert f"connecting to the dask cluster at {address}" in out.stdout
+        assert "2 workers ready" in out.stdout
+        status = k.ok("%scale").stdout
+        assert "connected dask cluster, 2 workers" in status and address in status
+        # The workers are the CLI processes, not anything the kernel started.
+        pids = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+        assert set(pids) <= {c.pid for p in processes[1:] for c in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]}
+        assert k.descendants() == []
+
+        trained = k.ok(TRAIN, timeout=180)
+        assert "[rank 0] host 0 2" in trained.stdout and "[rank 1] host 1 2" in trained.stdout
+        k.ok(CHECK_EQUAL)
+        assert k.value("len(jupyter_scale.history())") == 2 * 4  # 256 / 2 ranks / 32
+
+        out = k.ok("%scale stop")
+        assert "disconnected; the cluster's 2 workers keep running" in out.stdout
+        assert "no cluster running" in k.ok("%scale").stdout
+    finally:
+        k.shutdown()
+    # Disconnect, not kill: the scheduler and both workers are alive and still work.
+    assert all(p.poll() is None for p in processes)
+    from distributed import Client
+
+    with Client(address, timeout=30) as client:
+        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+        assert client.submit(sum, [1, 2, 3], pure=False).result(timeout=30) == 6
+        assert sorted(client.run(os.getpid).values()) == sorted(pids)  # the same worker processes
+
+
+def test_connect_with_more_workers_than_the_cluster_has_fails_clearly(dask_cli_cluster):
+    address, _ = dask_cli_cluster
+    k = Kernel()
+    try:
+        k.ok(SETUP)
+        k.ok("jupyter_scale.get_session().start_timeout = 3")
+        out = k.cell(f"%scale connect {address} --workers 5", timeout=60)
+        assert not out.ok
+        assert "did not offer 5 workers within 3 s" in out.error_text
+        assert "no cluster running" in k.ok("%scale").stdout
+        # Nothing was left half-attached: the 2 workers it has are usable right after.
+        k.ok(f"%scale connect {address}", timeout=60)
+        assert "[rank 1] 1" in k.ok("%%distribute\nprint(rank)").stdout
+        k.ok("%scale stop")
+    finally:
+        k.shutdown()
+
+
+def test_connect_to_an_ipcluster_by_its_connection_file(tmp_path):
+    profile = tmp_path / "profile"
+    cluster = subprocess.Popen(
+        [BIN / "ipcluster", "start", "--n=2", f"--profile-dir={profile}", "--cluster-id=t"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url_file = profile / "security" / "ipcontroller-t-client.json"
+        _wait_for(url_file.exists, 60, "no controller connection file")
+        k = Kernel()
+        try:
+            k.ok(SETUP)
+            k.ok(NOTEBOOK)
+            out = k.ok(f"%scale connect {url_file} --workers 2", timeout=120)
+            assert "2 workers ready" in out.stdout
+            pids = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+            k.ok(TRAIN, timeout=180)
+            k.ok(CHECK_EQUAL)
+            assert "disconnected" in k.ok("%scale stop").stdout
+            assert k.descendants() == []
+        finally:
+            k.shutdown()
+        assert cluster.poll() is None
+        import ipyparallel as ipp
+
+        client = ipp.Client(str(url_file), timeout=30)
+        try:
+            assert len(client.ids) == 2
+            assert sorted(client[:].apply_sync(os.getpid)) == sorted(pids)  # the same engines, working
+        finally:
+            client.close()
+    finally:
+        engines = psutil.Process(cluster.pid).children(recursive=True) if cluster.poll() is None else []
+        _stop([cluster])
+        assert wait_gone(engines, timeout=20) == []
