@@ -273,11 +273,12 @@ def test_rich_output_from_rank0_is_shown_once(kernel):
 def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
     kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)")  # group formed and used
     listening = []
-    for process in kernel.descendants():
+    # The kernel too: the event stream, and Dask's scheduler, nannies and dashboard live there.
+    for process in [psutil.Process(kernel.pid), *kernel.descendants()]:
         for conn in process.net_connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN:
                 listening.append((process.pid, conn.laddr.ip, conn.laddr.port))
-    assert len(listening) >= 4  # controller, engines, TCPStore, gloo
+    assert len(listening) >= 4  # controller or scheduler, engines or workers, TCPStore, gloo
     assert {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
 
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):

@@ -343,8 +343,18 @@ class DaskBackend(Backend):
             preload=[__name__],  # dask_setup above
         )
         options.update(self._cluster_options)
-        # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
-        with dask.config.set({"distributed.worker.daemon": False}):
+        settings = {
+            # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
+            "distributed.worker.daemon": False,
+            # Dask's nanny pins OMP/MKL/OpenBLAS to 1 thread per worker; leave the choice to
+            # the worker code, which (like torchrun, and as on ipyparallel) gives each worker
+            # cores / workers-per-host unless OMP_NUM_THREADS is set.
+            "distributed.nanny.pre-spawn-environ": {
+                k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()
+                if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+            },
+        }
+        with dask.config.set(settings):
             try:
                 cluster = LocalCluster(**options)
             except BaseException as exc:
