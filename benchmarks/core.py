@@ -1,14 +1,15 @@
 """Core-path numbers of %%distribute, each against a baseline measured in the same run.
 
-    python benchmarks/core.py [--workers 2] [--repeat 20]
+    python benchmarks/core.py [--backend ipyparallel|dask] [--workers 2] [--repeat 20]
 
-- cold start: Session.start + the first trivial cell, vs a hand-rolled ipyparallel
-  cluster start + one trivial apply (same engine, same controller options).
-- warm trivial-cell latency: median Session.run("x = 1") vs a bare broadcast apply of a
-  no-op function on the same cluster (what a hand-rolled `%%px` round trip costs).
-- shipping: a cell reading a changed 100 MB tensor, vs a bare broadcast apply carrying the
-  same 100 MB (the engine's own transport); and the same cell with the tensor unchanged
-  (not re-sent) vs the bare no-op apply.
+- cold start: Session.start + the first trivial cell, vs a hand-rolled cluster of the same
+  engine started with the same options + one trivial call per worker.
+- warm trivial-cell latency: median Session.run("x = 1") vs a bare call of a no-op on
+  every worker of the same cluster (ipyparallel: a broadcast apply, what a hand-rolled
+  `%%px` round trip costs; Dask: one pinned submit per worker, gathered).
+- shipping: a cell reading a changed 100 MB tensor, vs a bare call carrying the same
+  100 MB through the engine's own transport; and the same cell with the tensor unchanged
+  (not re-sent) vs the bare no-op call.
 
 Not a test: no assertions on time. Prints a table of medians and ratios.
 """
@@ -49,8 +50,61 @@ def cold_start_baseline(n: int) -> float:
     return elapsed
 
 
-def cold_start_session(n: int) -> float:
-    session = Session(namespace={})
+class _IPyParallelBaseline:
+    """Hand-rolled use of the session's own ipyparallel cluster."""
+
+    cold_start = staticmethod(cold_start_baseline)
+
+    def __init__(self, session: Session):
+        client = session.backend._client
+        self._view = client.broadcast_view(targets=session.backend._engine_ids)
+
+    def noop(self) -> None:
+        self._view.apply_sync(_noop)
+
+    def carry(self, raw) -> None:
+        self._view.apply_sync(_nbytes, raw)
+
+
+class _DaskBaseline:
+    """Hand-rolled use of the session's own Dask cluster: pinned submits, gathered."""
+
+    @staticmethod
+    def cold_start(n: int) -> float:
+        from distributed import Client, LocalCluster
+
+        t0 = time.perf_counter()
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)
+        client = Client(cluster, set_as_default=False, direct_to_workers=True)
+        client.wait_for_workers(n)
+        addresses = list(client.scheduler_info(n_workers=-1)["workers"])
+        client.gather([client.submit(_noop, workers=[a], pure=False) for a in addresses])
+        elapsed = time.perf_counter() - t0
+        client.close()
+        cluster.close()
+        return elapsed
+
+    def __init__(self, session: Session):
+        self._client = session.backend.client
+        self._addresses = list(session.backend._addresses)
+
+    def noop(self) -> None:
+        self._client.gather([self._client.submit(_noop, workers=[a], pure=False) for a in self._addresses])
+
+    def carry(self, raw) -> None:
+        # As a user would: scatter once, every worker's task reads it (fetched worker to worker).
+        data = self._client.scatter(raw.obj, workers=[self._addresses[0]], hash=False)  # the array
+        self._client.gather([self._client.submit(_nbytes, data, workers=[a], pure=False)
+                             for a in self._addresses])
+        data.release()
+
+
+BASELINES = {"ipyparallel": _IPyParallelBaseline, "dask": _DaskBaseline}
+
+
+def cold_start_session(n: int, backend: str) -> float:
+    session = Session(namespace={}, backend_name=backend)
     t0 = time.perf_counter()
     session.start(n)
     session.run("x = 1")
@@ -70,28 +124,28 @@ def median_time(fn, repeat: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=sorted(BASELINES), default="ipyparallel")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
-    n, repeat = args.workers, args.repeat
+    n, repeat, engine = args.workers, args.repeat, BASELINES[args.backend]
 
     rows = []
     # Interleave the two cold starts so drift on a shared machine hits both alike.
     base, ours = [], []
     for _ in range(3):
-        base.append(cold_start_baseline(n))
-        ours.append(cold_start_session(n))
+        base.append(engine.cold_start(n))
+        ours.append(cold_start_session(n, args.backend))
     rows.append(("cold start to first finished cell (s)", statistics.median(ours), statistics.median(base)))
 
     namespace: dict = {}
-    session = Session(namespace=namespace)
+    session = Session(namespace=namespace, backend_name=args.backend)
     session.start(n)
     try:
-        client = session.backend._client
-        view = client.broadcast_view(targets=session.backend._engine_ids)
+        baseline = engine(session)
         session.run("x = 1")
         ours = median_time(lambda: session.run("x = 1"), repeat)
-        base = median_time(lambda: view.apply_sync(_noop), repeat)
+        base = median_time(baseline.noop, repeat)
         rows.append(("warm trivial cell (ms)", ours * 1e3, base * 1e3))
 
         size = 100 * 2**20
@@ -109,7 +163,7 @@ def main() -> None:
 
         raw = memoryview(namespace["t"].numpy()).cast("B")
         t_changed = median_time(changed, max(5, repeat // 4))
-        t_raw = median_time(lambda: view.apply_sync(_nbytes, raw), max(5, repeat // 4))
+        t_raw = median_time(lambda: baseline.carry(raw), max(5, repeat // 4))
         t_unchanged = median_time(unchanged, repeat)
         rows.append(("cell reading a changed 100 MB tensor (ms)", t_changed * 1e3, t_raw * 1e3))
         rows.append(("cell reading an unchanged 100 MB tensor (ms)", t_unchanged * 1e3, base * 1e3))
@@ -121,8 +175,8 @@ def main() -> None:
     for name, ours, base in rows:
         print(f"{name:45s} {ours:14.2f} {base:10.2f} {ours / base:7.2f}")
     print(f"shipping: 100 MB to {n} workers in one cell = {throughput:.2f} GB/s per worker")
-    print("baselines: hand-rolled ipyparallel start + apply; bare broadcast apply of a no-op; "
-          "a bare broadcast apply carrying the same 100 MB buffer")
+    print(f"engine {args.backend}; baselines: a hand-rolled cluster start + one call per worker; "
+          "a bare no-op call on every worker; a bare call carrying the same 100 MB buffer")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ class ScaleMagics(Magics):
               help="comma-separated worker variables to copy back into the notebook (rank 0's values)")
     @argument("--timeout", type=_positive_float, default=None,
               help="fail the cell if it is still running after this many seconds (default: no limit)")
-    @argument("--backend", default=None, help="cluster engine for a new cluster (default: ipyparallel)")
+    @argument("--backend", default=None,
+              help="cluster engine for a new cluster: ipyparallel or dask (default: $JUPYTER_SCALE_BACKEND "
+                   "or c.ScaleSession.backend_name, else ipyparallel)")
     @argument("--steps", type=_positive_int_named("--steps"), default=None,
               help="total optimizer steps the cell will run (for progress and ETA)")
     @argument("--manual", action="store_true",
@@ -131,7 +133,7 @@ class ScaleMagics(Magics):
                    "ipcontroller-client.json file")
     @argument("-n", "--workers", type=_positive_int, default=None,
               help="workers for start/restart; for connect, how many to use (waits for them)")
-    @argument("--backend", default=None, help="cluster engine for start (default: ipyparallel)")
+    @argument("--backend", default=None, help="cluster engine for start: ipyparallel or dask")
     @argument("--profile", default=None, help="for connect: an ipyparallel profile (ipcluster start --profile P)")
     @argument("--cluster-id", default=None, help="for connect: an ipyparallel cluster id within the profile")
     @line_magic

@@ -125,8 +125,10 @@ class EventSink:
         # Created here, in the caller's thread: some transports need that thread's context.
         self._transport = _TRANSPORTS[scheme](address)
         self._wake = threading.Event()
-        self._idle = threading.Event()
+        self._send_lock = threading.Lock()  # one sender at a time: the thread, or a flush
         self._closed = False
+        self._stats_at = 0.0
+        self._process = None
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-events", daemon=True)
         self._thread.start()
 
@@ -137,10 +139,18 @@ class EventSink:
         self.emit({"kind": "state", "rank": self.rank, "state": state, "time": time.time(), **details})
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Send everything queued so far; True when the queue emptied in time."""
-        self._idle.clear()
-        self._wake.set()
-        return self._idle.wait(timeout)
+        """Send everything queued so far, from the calling thread; True when it could.
+
+        The caller sends, rather than waking the thread and waiting for it: a hand-off
+        between threads can cost a GIL switch interval (5 ms) on a busy worker.
+        """
+        if not self._send_lock.acquire(timeout=timeout):
+            return False
+        try:
+            self._send_queued()
+        finally:
+            self._send_lock.release()
+        return True
 
     def close(self) -> None:
         self.flush(timeout=2.0)
@@ -148,32 +158,35 @@ class EventSink:
         self._wake.set()
         self._thread.join(timeout=2.0)
 
-    def _run(self) -> None:
-        import psutil
+    def _send_queued(self) -> None:
+        if self._queue and time.monotonic() - self._stats_at >= 1.0:
+            # Once a second while the rank reports: its memory, for the worker table.
+            import psutil
 
-        process, stats_at = psutil.Process(), 0.0
+            self._process = self._process or psutil.Process()
+            self._stats_at = time.monotonic()
+            self._queue.append({"kind": "stats", "rank": self.rank, "time": time.time(),
+                                "rss": self._process.memory_info().rss})
+        batch = []
+        while self._queue:
+            batch.append(self._queue.popleft())
+        if batch:
+            message = json.dumps({"rank": self.rank, "events": batch, "sent_before": self.sent})
+            if self._transport.send(message):
+                self.sent += len(batch)
+            else:
+                self.dropped += len(batch)
+
+    def _run(self) -> None:
         while True:
             self._wake.wait(SEND_INTERVAL_S)
             self._wake.clear()
-            if self._queue and time.monotonic() - stats_at >= 1.0:
-                # Once a second while the rank reports: its memory, for the worker table.
-                stats_at = time.monotonic()
-                self._queue.append({"kind": "stats", "rank": self.rank, "time": time.time(),
-                                    "rss": process.memory_info().rss})
-            batch = []
-            while self._queue:
-                batch.append(self._queue.popleft())
-            if batch:
-                message = json.dumps({"rank": self.rank, "events": batch, "sent_before": self.sent})
-                if self._transport.send(message):
-                    self.sent += len(batch)
-                else:
-                    self.dropped += len(batch)
-            if not self._queue:
-                self._idle.set()
-            if self._closed:
-                self._transport.close()
-                return
+            with self._send_lock:
+                if self._closed:
+                    self._send_queued()
+                    self._transport.close()
+                    return
+                self._send_queued()
 
 
 class EventQueue:
@@ -191,6 +204,7 @@ class EventQueue:
         # Seconds from report() on a worker to arrival here, for the latest events (the
         # clocks agree on one host; across hosts this includes their offset).
         self.latencies: collections.deque = collections.deque(maxlen=100_000)
+        self._arrived = threading.Condition()
 
     def accept(self, text: str) -> None:
         """Take one batch a sink sent (from any thread)."""
@@ -198,7 +212,15 @@ class EventQueue:
         arrived = time.time()
         self.latencies.extend(arrived - e["time"] for e in message["events"] if "time" in e)
         self._events.extend(message["events"])
-        self.received[message["rank"]] += len(message["events"])
+        with self._arrived:
+            self.received[message["rank"]] += len(message["events"])
+            self._arrived.notify_all()
+
+    def wait_for(self, expected: dict[int, int], timeout: float) -> bool:
+        """Block until each rank's count of received events reaches `expected[rank]`."""
+        with self._arrived:
+            return self._arrived.wait_for(
+                lambda: all(self.received[r] >= n for r, n in expected.items()), timeout)
 
     def drain(self) -> list[dict]:
         events = []

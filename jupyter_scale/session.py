@@ -393,12 +393,9 @@ class ScaleSession(LoggingConfigurable):
 
     def _collect_last_events(self, headers: dict[int, dict], record: RunRecord, view: "_RunView") -> None:
         """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
-        deadline = time.monotonic() + 2.0
         expected = {r: h.get("events_sent", 0) for r, h in headers.items()}
-        while self.events is not None and time.monotonic() < deadline:
-            if all(self.events.received[r] >= n for r, n in expected.items()):
-                break
-            time.sleep(0.01)
+        if self.events is not None:
+            self.events.wait_for(expected, timeout=2.0)
         self._take_events(record, view)
         missing = sum(max(0, n - self.events.received[r]) for r, n in expected.items()) if self.events else 0
         record.lost_events = missing + sum(h.get("events_dropped", 0) for h in headers.values())

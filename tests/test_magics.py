@@ -40,6 +40,10 @@ assert len(jupyter_scale.history()) == 4
         ("%%distribute --pull 1x", "--pull takes comma-separated variable names"),
         ("%scale explode", "invalid choice: 'explode'"),
         ("%scale stop --workers 2", "--workers goes with start, restart or connect"),
+        ("%scale connect", "connect to what?"),
+        ("%scale start tcp://127.0.0.1:8786", "goes with connect, not start"),
+        ("%scale connect tcp://127.0.0.1:8786 --profile p", "not both"),
+        ("%scale connect tcp://127.0.0.1:8786 --backend dask", "drop --backend"),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(kernel_for_usage, line, message):

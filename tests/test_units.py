@@ -107,3 +107,27 @@ def test_remote_error_blames_the_first_real_failure():
 def test_loopback_interface_exists():
     name = rendezvous.loopback_interface()
     assert name and name in {n for _, n in socket.if_nameindex()}
+
+
+def test_default_engine_comes_from_config_then_environment(monkeypatch):
+    from traitlets.config import Config
+
+    from jupyter_scale.session import ScaleSession
+
+    monkeypatch.delenv("JUPYTER_SCALE_BACKEND", raising=False)
+    assert ScaleSession(namespace={}).backend_name == "ipyparallel"
+    monkeypatch.setenv("JUPYTER_SCALE_BACKEND", "dask")
+    assert ScaleSession(namespace={}).backend_name == "dask"
+    config = Config()
+    config.ScaleSession.backend_name = "ipyparallel"
+    assert ScaleSession(namespace={}, config=config).backend_name == "ipyparallel"  # config wins
+
+
+def test_every_engine_is_found_through_the_entry_point_group():
+    from jupyter_scale.backends import Backend, available_backends, create_backend
+
+    found = available_backends()
+    assert {"ipyparallel", "dask"} <= set(found)
+    for name in ("ipyparallel", "dask"):
+        backend = create_backend(name)
+        assert isinstance(backend, Backend) and backend.name == name and not backend.running

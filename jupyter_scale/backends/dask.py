@@ -78,7 +78,7 @@ class _OutputPump:
     def __init__(self, dask_worker, topic: str, job: str, rank: int):
         self._worker, self._topic, self._job, self._rank = dask_worker, topic, job, rank
         self._parts: list[list[str]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # send() holds it while add() may be called from a print in Dask code
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-output", daemon=True)
         self._thread.start()
@@ -96,25 +96,28 @@ class _OutputPump:
             self._parts.append(["display", data, metadata or {}])
 
     def send(self, end: bool = False) -> None:
+        # Under the lock from taking the parts to handing them to Dask: batches stay in order
+        # whichever thread (the pump's, the call's) sends them.
         with self._lock:
             parts, self._parts = self._parts, []
-        if not parts and not end:
-            return
-        message = {"job": self._job, "rank": self._rank, "parts": parts, "end": end}
-        try:
-            self._worker.log_event(self._topic, message)
-        except TypeError:  # a display bundle Dask's msgpack cannot carry: say so, keep the text
-            parts = [p if p[0] != "display" else ["stderr", "jupyter_scale: a display() output could not "
-                                                  "be sent from this worker\n"] for p in parts]
-            self._worker.log_event(self._topic, dict(message, parts=parts))
+            if not parts and not end:
+                return
+            message = {"job": self._job, "rank": self._rank, "parts": parts, "end": end}
+            try:
+                self._worker.log_event(self._topic, message)
+            except TypeError:  # a display bundle Dask's msgpack cannot carry: say so, keep the text
+                parts = [p if p[0] != "display" else ["stderr", "jupyter_scale: a display() output could "
+                                                      "not be sent from this worker\n"] for p in parts]
+                self._worker.log_event(self._topic, dict(message, parts=parts))
 
     def _run(self) -> None:
         while not self._stop.wait(OUTPUT_INTERVAL_S):
             self.send()
 
     def close(self) -> None:
+        # The call's thread sends the rest itself: no waiting for the pump's thread, which
+        # sees the stop at its next wake-up and ends.
         self._stop.set()
-        self._thread.join(timeout=2.0)
         self.send(end=True)
 
 
@@ -242,6 +245,7 @@ class _DaskJob(Job):
         self._outputs: deque = deque()
         self._ended: set[int] = set()
         self._finished_at: dict[int, float] = {}
+        self._values: dict[int, Any] = {}  # results fetched, not yet handed over
         self._activity = threading.Event()
         for future in futures.values():
             future.add_done_callback(lambda _f: self._activity.set())
@@ -278,7 +282,12 @@ class _DaskJob(Job):
             raise WorkerLost(rank, f"the Dask task failed: {type(exc).__name__}: {exc}")
         if future.status != "finished":
             raise WorkerLost(rank, f"the Dask task was {future.status}")
-        value = future.result()
+        if rank not in self._values:
+            # Every result that is ready, in one round trip (not one per rank).
+            ready = [r for r, f in self._futures.items() if r not in self._values and f.status == "finished"]
+            values = self._backend.client.gather([self._futures[r] for r in ready])
+            self._values.update(zip(ready, values))
+        value = self._values.pop(rank)
         return tuple(value.frames) if isinstance(value, _Payload) else value
 
     def new_output(self) -> list[Output]:
@@ -297,7 +306,7 @@ class _DaskJob(Job):
             with contextlib.suppress(Exception):
                 future.release()
         self._futures = {r: _Released() for r in self._futures}
-        self._held = []
+        self._held, self._values = [], {}
 
 
 class _Released:
