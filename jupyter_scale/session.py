@@ -215,10 +215,13 @@ class ScaleSession(LoggingConfigurable):
             self.events = None
         if backend is None or not backend.running:
             return
+        # A cluster we only connected to lives on: free what this session left on its
+        # workers (the namespaces, the process group), not just the group.
+        farewell = worker.leave_group if backend.owns_cluster else worker.reset
         try:
-            backend.submit(worker.leave_group).wait(timeout=5)
+            backend.submit(farewell).wait(timeout=5)
         except (ClusterError, WorkerLost):  # a dead or stuck worker is stopped below anyway
-            log.debug("leave_group failed during stop", exc_info=True)
+            log.debug("leaving the workers failed during stop", exc_info=True)
         backend.stop()
 
     def restart(self, workers: int | None = None) -> None:
