@@ -1,6 +1,6 @@
 """Automatic mode's steady-state steps/s against explicit DDP on the same loop.
 
-    python benchmarks/auto_vs_ddp.py [--repeat 3] [--steps 300]
+    python benchmarks/auto_vs_ddp.py [--backend ipyparallel|dask] [--repeat 3] [--steps 300]
 
 The same MLP, data and batch (64 per rank) on 2 workers: once as the DESIGN.md loop in
 automatic mode, once with --manual and jupyter_scale.wrap/shard (DDP). Runs alternate,
@@ -45,6 +45,7 @@ DDP = LOOP.format(setup="net = jupyter_scale.wrap(model)\n"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--backend", choices=["ipyparallel", "dask"], default="ipyparallel")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
 
@@ -54,7 +55,7 @@ def main() -> None:
         "jupyter_scale": __import__("jupyter_scale"), "WARMUP": 30, "STEPS": args.steps,
         "data": TensorDataset(torch.randn(32768, 256), torch.randint(0, 10, (32768,))),
     }
-    session = Session(namespace=ns)
+    session = Session(namespace=ns, backend_name=args.backend)
     session.start(2)
     results = {"automatic": [], "explicit DDP": []}
     try:

@@ -44,12 +44,13 @@ steps_per_s = STEPS / (time.perf_counter() - t0)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--backend", choices=["ipyparallel", "dask"], default="ipyparallel")
     parser.add_argument("--steps", type=int, default=400)
     args = parser.parse_args()
     torch.manual_seed(0)
     ns = {"torch": torch, "nn": nn, "DataLoader": torch.utils.data.DataLoader, "STEPS": args.steps,
           "data": TensorDataset(torch.randn(32768, 256), torch.randint(0, 10, (32768,)))}
-    session = Session(namespace=ns, progress_interval=3600)  # no progress lines in the timing
+    session = Session(namespace=ns, backend_name=args.backend, progress_interval=3600)  # no progress lines in the timing
     session.start(2)
     results = {"report() every step": [], "no report()": []}
     latencies = []

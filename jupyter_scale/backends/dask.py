@@ -355,6 +355,11 @@ class DaskBackend(Backend):
         settings = {
             # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
             "distributed.worker.daemon": False,
+            # Every wake-up of a worker's event loop competes with the training thread for
+            # the GIL. Dask's sampling profiler (every 10 ms) and its loop-latency tick (every
+            # 20 ms) cost the training loop steps/s for numbers nobody reads here.
+            "distributed.worker.profile.enabled": False,
+            "distributed.admin.tick.interval": "1s",
             # Dask's nanny pins OMP/MKL/OpenBLAS to 1 thread per worker; leave the choice to
             # the worker code, which (like torchrun, and as on ipyparallel) gives each worker
             # cores / workers-per-host unless OMP_NUM_THREADS is set.
