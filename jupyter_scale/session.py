@@ -162,12 +162,29 @@ class ScaleSession(LoggingConfigurable):
         try:
             if not backend.owns_cluster:  # workers of a cluster we attach to start clean
                 backend.submit(worker.reset).wait(self.start_timeout)
+            else:
+                self._tie_workers_to_kernel(backend)
             self._form_group()
         except BaseException:
             self._shutdown()
             raise
         print(f"jupyter_scale: {backend.size} workers ready ({self.group['backend']}) in "
               f"{time.monotonic() - started:.1f} s", flush=True)
+
+    def _tie_workers_to_kernel(self, backend: Backend) -> None:
+        """Workers we started exit when this process dies, even by SIGKILL (no orphans)."""
+        import psutil
+
+        me = psutil.Process()
+        pids = {w["pid"] for w in backend.submit_each(worker.describe, [()] * backend.size).wait(self.start_timeout)}
+        helpers = []
+        for process in backend.local_processes():
+            try:
+                if process.pid not in pids:
+                    helpers.append((process.pid, process.create_time()))
+            except psutil.Error:  # already gone
+                continue
+        backend.submit(worker.watch_parent, me.pid, me.create_time(), helpers).wait(self.start_timeout)
 
     def connect(self, address: str | None = None, *, workers: int | None = None, profile: str | None = None,
                 cluster_id: str | None = None, url_file: str | None = None) -> None:

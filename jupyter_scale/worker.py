@@ -109,6 +109,48 @@ def describe() -> dict:
     }
 
 
+_parent_watch: threading.Thread | None = None
+PARENT_POLL_S = 1.0
+
+
+def watch_parent(pid: int, create_time: float, reap: list | tuple = ()) -> bool:
+    """Exit this worker when the kernel that started it is gone.
+
+    A kernel killed with SIGKILL cannot stop its cluster: each worker notices within a second
+    and exits; the first to notice also stops the engine's helper processes (`reap`: the
+    ipyparallel controller), each given as (pid, create_time) so a reused pid is never hit.
+    Only for clusters the kernel started: workers of a connected cluster are not ours.
+    """
+    global _parent_watch
+    if _parent_watch is not None:
+        return False
+
+    def run() -> None:
+        while _alive(pid, create_time):
+            _original_sleep(PARENT_POLL_S)
+        for helper_pid, helper_created in reap:
+            if _alive(helper_pid, helper_created):
+                try:
+                    os.kill(helper_pid, signal.SIGTERM)
+                except OSError:  # gone meanwhile
+                    pass
+        os._exit(1)
+
+    _parent_watch = threading.Thread(target=run, name="jupyter_scale-parent-watch", daemon=True)
+    _parent_watch.start()
+    return True
+
+
+def _alive(pid: int, create_time: float) -> bool:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        return abs(process.create_time() - create_time) < 1e-3 and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def reset() -> None:
     """Forget every cell's state: a worker of a cluster that another session used starts clean."""
     global _state

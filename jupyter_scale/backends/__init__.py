@@ -126,6 +126,10 @@ class Backend(abc.ABC):
         """Engine-specific facts for `%scale status` (addresses, ids)."""
         return {}
 
+    def local_processes(self) -> list:
+        """psutil handles of the processes `start` started (workers first where it can tell)."""
+        return []
+
     def open_events(self):
         """The kernel's end of the workers' event stream (metrics.EventQueue).
 
