@@ -50,6 +50,8 @@ def _parse(magic, line: str):
     except UsageError as exc:
         # argparse's message, on one line, without the usage block.
         raise UsageError(str(exc).strip().splitlines()[-1]) from None
+    except ValueError as exc:  # shlex: an unbalanced quote
+        raise UsageError(f"cannot read the arguments {line.strip()!r}: {exc}") from None
 
 
 @magics_class

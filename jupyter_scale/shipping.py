@@ -411,6 +411,14 @@ class _StructurePickler(cloudpickle.Pickler):
         self.keys: dict[int, None] = {}  # ids in first-seen order (an ordered set)
         self.buffer_digests: list[bytes] = []
 
+    def reducer_override(self, obj):
+        # cloudpickle sends a file opened for reading as a copy of its contents: a handle
+        # that silently becomes a StringIO on the workers is not what the cell meant.
+        if isinstance(obj, io.IOBase) and not isinstance(obj, (io.BytesIO, io.StringIO)):
+            raise TypeError("an open file handle belongs to the notebook's process; open the file "
+                            "inside the cell")
+        return super().reducer_override(obj)
+
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:  # numpy arrays and the like
         self.buffer_digests.append(xxhash.xxh3_128(buffer.raw()).digest())
 

@@ -214,15 +214,24 @@ print("sum", t.item())
     assert "[rank 0] sum 2.0" in again.stdout and "[rank 1] sum 2.0" in again.stdout
 
 
-def test_unserializable_value_is_named_and_nothing_runs(kernel):
-    kernel.ok("import threading\nlock = threading.Lock()")
+@pytest.mark.parametrize("name, make", [
+    ("lock", "import threading\nlock = threading.Lock()"),
+    ("handle", "handle = open(__import__('os').devnull)"),
+    ("numbers", "numbers = (i for i in range(3))"),
+])
+def test_unserializable_value_is_named_and_nothing_runs(kernel, name, make):
+    kernel.ok(make)
     runs_before = kernel.value("len(jupyter_scale.get_session().runs)")
-    out = kernel.cell("%%distribute\nprint('ran on', rank)\nwith lock:\n    pass")
+    out = kernel.cell(f"%%distribute\nprint('ran on', rank)\nx = {name}")
     assert not out.ok
     assert out.error["ename"] == "ShippingError"
-    assert "'lock'" in out.error["evalue"] and "lock" in out.error["evalue"].lower()
+    assert f"'{name}'" in out.error["evalue"]
+    assert len(out.error["evalue"].splitlines()) == 1
     assert "ran on" not in out.stdout
     assert kernel.value("len(jupyter_scale.get_session().runs)") == runs_before
+    # Nothing lost: the value is still the notebook's, and the workers still work.
+    assert kernel.value(f"type({name}).__name__") in ("lock", "TextIOWrapper", "generator")
+    assert "[rank 1] fine" in kernel.ok("%%distribute\nprint('fine')").stdout
 
 
 def test_pull_copies_rank0_values(kernel):
@@ -280,6 +289,24 @@ def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
                 listening.append((process.pid, conn.laddr.ip, conn.laddr.port))
     assert len(listening) >= 4  # controller or scheduler, engines or workers, TCPStore, gloo
     assert {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
+
+def test_the_clusters_files_are_readable_by_the_owner_only(kernel):
+    import os
+    import stat
+
+    info = kernel.value("jupyter_scale.get_session().backend.describe()")
+    if kernel.backend == "ipyparallel":
+        security = os.path.join(info["profile_dir"], "security")
+        files = [os.path.join(security, f) for f in os.listdir(security) if info["cluster_id"] in f]
+        assert len(files) >= 2  # the controller's client and engine connection files (keys)
+    else:  # Dask's LocalCluster keeps no connection file; each worker has a scratch directory
+        files = list(kernel.value(
+            "jupyter_scale.get_session().backend.client.run(lambda dask_worker: dask_worker.local_directory)"
+        ).values())
+        assert len(files) == 2
+    for path in files:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
 
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
     pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")

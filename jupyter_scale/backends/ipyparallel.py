@@ -121,6 +121,9 @@ class IPyParallelBackend(Backend):
             # user does not need that in the notebook. Start failures are reported by us.
             log=_quiet_cluster_log,
             shutdown_atexit=True,
+            # ipyparallel's cluster file (world-readable, for `ipcluster list`) is not needed:
+            # this backend holds the cluster. The connection files it keeps are owner-only.
+            cluster_file="",
         )
         options.update(self._cluster_options)
         cluster = ipp.Cluster(**options)

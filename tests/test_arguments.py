@@ -1,0 +1,74 @@
+"""Property: whatever the magic line, the user gets a UsageError or a valid call, never a traceback.
+
+The parsing layer is tested alone here (random lines would otherwise start clusters): the
+Session methods the magics call are replaced by recorders that check what they were given.
+The real magics on real clusters are tested in test_magics.py.
+"""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import get_ipython
+
+from jupyter_scale.magics import ScaleMagics
+from jupyter_scale.session import ScaleSession
+
+TOKENS = st.sampled_from([
+    "--workers", "-n", "--pull", "--timeout", "--backend", "--steps", "--manual", "--profile",
+    "--cluster-id", "--bogus", "-x", "0", "-3", "2", "4", "abc", "1.5", "-1", "1e3", "nan", "inf",
+    "a,b", "1x", ",", "dask", "ipyparallel", "nosuch", "tcp://127.0.0.1:8786", "x.json", "=",
+    "--workers=2", "--timeout=0", "'", '"', "status", "start", "stop", "restart", "connect", "explode",
+])
+LINES = st.lists(st.one_of(TOKENS, st.text(max_size=8)), max_size=6).map(" ".join)
+
+
+class Recorder(ScaleSession):
+    """A session that records calls instead of starting clusters, and checks their arguments."""
+
+    def run(self, code, *, workers=None, pull=(), timeout=None, manual=False, steps=None):
+        assert workers is None or (isinstance(workers, int) and workers >= 1)
+        assert timeout is None or timeout > 0
+        assert steps is None or (isinstance(steps, int) and steps >= 1)
+        assert all(name.isidentifier() for name in pull)
+        assert code.strip()
+
+    def start(self, workers=None):
+        assert workers is None or workers >= 1
+
+    def restart(self, workers=None):
+        assert workers is None or workers >= 1
+
+    def stop(self):
+        pass
+
+    def connect(self, address=None, *, workers=None, profile=None, cluster_id=None, url_file=None):
+        assert address or profile or cluster_id
+        assert workers is None or workers >= 1
+
+
+@pytest.fixture(scope="module")
+def magics():
+    shell = get_ipython()
+    return ScaleMagics(shell, Recorder(namespace={}, shell=shell))
+
+
+def _call_or_usage_error(fn, *args):
+    try:
+        fn(*args)
+    except UsageError as exc:
+        message = str(exc)
+        assert message and "\n" not in message.strip(), message  # one line
+        assert "Traceback" not in message
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(line=LINES)
+def test_any_distribute_line_is_a_usage_error_or_a_valid_run(magics, line):
+    _call_or_usage_error(magics.distribute, line, "print(rank)")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(line=LINES)
+def test_any_scale_line_is_a_usage_error_or_a_valid_call(magics, line):
+    _call_or_usage_error(magics.scale, line)
