@@ -39,3 +39,87 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
     finally:
         k.client.stop_channels()
         k.manager.cleanup_resources()
+
+
+def _footprint(kernel):
+    """Processes, threads, open fds and inet sockets of the kernel and everything it started."""
+    processes = [psutil.Process(kernel.pid), *kernel.descendants()]
+    threads = fds = sockets = 0
+    for p in processes:
+        threads += p.num_threads()
+        fds += p.num_fds()
+        sockets += len(p.net_connections(kind="inet"))
+    return {"processes": len(processes), "threads": threads, "fds": fds, "sockets": sockets}
+
+
+FAILING = """%%distribute
+t = torch.ones(1)
+if rank == 1:
+    raise ValueError("injected")
+dist.all_reduce(t)
+"""
+OK = "%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2\nreport(loss=t)"
+
+
+def test_fifty_cells_with_failures_leak_nothing(kernel):
+    for code in (OK, FAILING, OK, FAILING, OK):  # warm up: every path has run once
+        kernel.cell(code, timeout=60)
+    before = _footprint(kernel)
+    for i in range(50):
+        failing = i % 5 in (1, 3)  # 20 failures, each re-forming the process group
+        out = kernel.cell(FAILING if failing else OK, timeout=60)
+        assert out.ok != failing, out.error_text
+        if failing:
+            assert "rank 1 failed: ValueError: injected" in out.error_text
+    after = _footprint(kernel)
+    assert after["processes"] == before["processes"], (before, after)
+    # A few threads and fds come and go with the engines' pools; a leak per failed cell
+    # would be 20 or more.
+    for what in ("threads", "fds", "sockets"):
+        assert after[what] <= before[what] + 6, (what, before, after)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_kernels_distribute_at_once_with_torchruns_port_taken(engine):
+    import socket
+    import threading
+
+    blocker = socket.socket()
+    try:
+        blocker.bind(("127.0.0.1", 29500))  # torchrun's default port: someone else's
+        blocker.listen()
+    except OSError:  # already taken by someone: just as good for this test
+        pass
+    kernels = [Kernel(backend=engine) for _ in range(2)]
+    try:
+        for k in kernels:
+            k.ok(SETUP)
+        cell = """%%distribute --workers 2
+import os
+t = torch.ones(1)
+for _ in range(200):
+    dist.all_reduce(t)
+    t /= 2   # stays 1.0 when exactly this cell's two ranks add into it
+print("port", os.environ["MASTER_PORT"], "sum", t.item())
+"""
+        results = [None, None]
+
+        def run(i):
+            results[i] = kernels[i].cell(cell, timeout=180)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        ports = set()
+        for out in results:
+            assert out is not None and out.ok, out.error_text if out else "no result"
+            assert "[rank 1] port" in out.stdout and "sum 1.0" in out.stdout, out.stdout
+            ports.add(out.stdout.split("port ")[1].split()[0])
+        assert len(ports) == 2 and "29500" not in ports  # each its own free port
+    finally:
+        blocker.close()
+        for k in kernels:
+            k.cell("%scale stop", timeout=60)
+            k.shutdown()
