@@ -325,6 +325,25 @@ dist.all_reduce(t)
     assert "[rank 1] sum 2.0" in again.stdout
     assert wait_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)]) == []
 
+def test_worker_killed_mid_epoch_fails_the_cell_naming_it(kernel):
+    kernel.ok("%%distribute\nimport os\npid = os.getpid()")
+    pid = kernel.value("jupyter_scale.get_session().gather('pid')[1]")
+    out = kernel.cell(f"""%%distribute
+import os, signal, time
+t = torch.ones(1)
+for step in range(10_000):
+    if rank == 0 and step == 50:
+        os.kill({pid}, signal.SIGKILL)   # rank 1's process, from rank 0, mid-loop
+    dist.all_reduce(t)
+    t.fill_(1)
+    time.sleep(0.001)
+""", timeout=60)
+    assert not out.ok
+    assert "rank 1 failed: WorkerLost" in out.error_text
+    assert "rank(s) [1]" in kernel.ok("%scale").stdout
+    again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
+    assert "[rank 1] sum 2.0" in again.stdout
+
 def test_worker_dying_between_cells_is_replaced(kernel):
     pid = kernel.value("jupyter_scale.get_session().workers[1]['pid']")
     psutil.Process(pid).kill()
