@@ -116,6 +116,12 @@ class EventSink:
 
     def __init__(self, address: str, rank: int):
         self.address, self.rank = address, rank
+        # Every `heartbeat_interval` s the thread sends a heartbeat with `heartbeat_status()`
+        # merged in (e.g. which collective the rank waits in): proof of life, and the
+        # kernel's way to tell a rank that waits from one that never comes.
+        self.heartbeat_interval: float = 0.0
+        self.heartbeat_status: Callable[[], dict] = dict
+        self._beat_at = 0.0
         self.sent = 0  # events handed to the transport
         self.dropped = 0  # events that could not be (counted, reported, never silent)
         self._queue: collections.deque = collections.deque()
@@ -159,6 +165,11 @@ class EventSink:
         self._thread.join(timeout=2.0)
 
     def _send_queued(self) -> None:
+        now = time.monotonic()
+        if self.heartbeat_interval and now - self._beat_at >= self.heartbeat_interval:
+            self._beat_at = now
+            self._queue.append({"kind": "heartbeat", "rank": self.rank, "time": time.time(),
+                                **self.heartbeat_status()})
         if self._queue and time.monotonic() - self._stats_at >= 1.0:
             # Once a second while the rank reports: its memory, for the worker table.
             import psutil

@@ -103,6 +103,12 @@ class ScaleSession(LoggingConfigurable):
                            "that a Jupyter server or VS Code started, text elsewhere (nbval, terminals).")
     progress_interval = Float(2.0, config=True,
                               help="Seconds between the plain-text progress lines of a running cell.")
+    heartbeat_interval = Float(5.0, config=True,
+                               help="Seconds between the heartbeats each rank sends while a cell runs.")
+    hang_warning = Float(60.0, config=True,
+                         help="Without --timeout there is no time limit; instead, when some ranks have "
+                              "waited this many seconds in a collective that others are not in, say which "
+                              "rank they wait for (again every as many seconds). 0 turns it off.")
     poll_interval = Float(0.1, config=True,
                           help="Longest wait between checks for deadlines while a cell runs "
                                "(results and output wake the kernel at once).")
@@ -123,6 +129,7 @@ class ScaleSession(LoggingConfigurable):
         self._group_ready = False
         self._user_interrupted = False
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
+        self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat in the running cell
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
         # of starting one; restarts re-attach, stop() forgets it.
@@ -356,6 +363,7 @@ class ScaleSession(LoggingConfigurable):
             "pull": pull,
             "auto": not manual,
             "events": self._event_stream().address,
+            "heartbeat": self.heartbeat_interval,
             # Drawn from the notebook's RNG, as the cell would draw locally: a notebook that
             # calls torch.manual_seed gets the same worker runs every time.
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
@@ -405,6 +413,9 @@ class ScaleSession(LoggingConfigurable):
     def _take_events(self, record: RunRecord, view: "_RunView") -> None:
         for event in self.events.drain() if self.events is not None else ():
             kind = event.get("kind")
+            if kind == "heartbeat":
+                self._beats[event["rank"]] = event
+                continue
             if kind == "state":
                 record.states.append(event)
             elif kind is None:  # a report() point
@@ -452,6 +463,8 @@ class ScaleSession(LoggingConfigurable):
         abort_requested = False
         self._user_interrupted = False
         timed_out = False
+        self._beats: dict[int, dict] = {}
+        warned_at = time.monotonic()
 
         def stop_running(reason: str) -> None:
             nonlocal interrupted_at
@@ -489,6 +502,9 @@ class ScaleSession(LoggingConfigurable):
                 if len(headers) + len(lost) == len(job.ranks):
                     break
                 now = time.monotonic()
+                if first_failure is None and interrupted_at is None:
+                    warned_at = self._warn_if_waiting(
+                        [r for r in job.ranks if r not in headers and r not in lost], warned_at)
                 if first_failure is not None and now - first_failure > self.abort_grace:
                     stop_running("another rank failed")
                 if timeout is not None and now - started > timeout and interrupted_at is None:
@@ -528,6 +544,29 @@ class ScaleSession(LoggingConfigurable):
                 f.etype = "TimeoutError" if f.etype == "KeyboardInterrupt" else f.etype
                 f.message = f.message or f"still running after --timeout {timeout:g} s"
         return headers, frames_back, failures, lost
+
+    def _warn_if_waiting(self, ranks_running: list[int], warned_at: float) -> float:
+        """Name the ranks others wait for; returns when it last warned."""
+        if not self.hang_warning or time.monotonic() - warned_at < self.hang_warning:
+            return warned_at
+        now = time.time()
+        beats = {r: self._beats.get(r) for r in ranks_running}
+        waiting = {r: b for r, b in beats.items() if b and b.get("collective")
+                   and now - b["since"] >= self.hang_warning}
+        if not waiting:
+            return warned_at
+        absent = [r for r, b in beats.items() if not (b and b.get("collective"))]
+        silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * self.heartbeat_interval + 2]
+        if not absent and not silent:
+            return warned_at  # everyone is in a collective: slow, not stuck on one rank
+        longest = max(now - b["since"] for b in waiting.values())
+        where = ", ".join(sorted({b["collective"] for b in waiting.values()}))
+        line = (f"jupyter_scale: rank(s) {sorted(waiting)} have waited {longest:.0f} s in {where}; "
+                f"rank(s) {sorted(set(absent) | set(silent))} are not in it")
+        if silent:
+            line += f" (no heartbeat from rank(s) {sorted(silent)}: hung or overloaded)"
+        _write("stderr", line + ". Interrupt the kernel to stop every rank, or use --timeout.\n")
+        return time.monotonic()
 
     def _request_abort(self) -> None:
         if not self.group:

@@ -48,6 +48,7 @@ class _WorkerState:
     watch: Any = None  # rendezvous.AbortWatch of the current group
     sink: Any = None  # metrics.EventSink to the kernel's event stream
     cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
+    collective: tuple | None = None  # (name, since) of the blocking collective the cell is in
 
 
 _state = _WorkerState()
@@ -192,6 +193,7 @@ def join_group(layout: dict) -> dict:
     _state.group_ready = True
     _state.watch = rendezvous.AbortWatch(layout["master_addr"], layout["master_port"], _state.group_sockets)
     _install_torchrun_compat()
+    _install_collective_marks()
     rewrapped = _rewrap_stale_ddp()
     return {"rank": rank, "backend": layout["backend"], "device": str(_state.device), "rewrapped": rewrapped}
 
@@ -249,6 +251,45 @@ def _install_torchrun_compat() -> None:
     init_process_group.__wrapped__ = original
     init_process_group.__doc__ = original.__doc__
     dist.init_process_group = init_process_group
+
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+                "barrier", "gather", "scatter", "broadcast_object_list", "gather_object", "send", "recv")
+
+
+def _install_collective_marks() -> None:
+    """Note which blocking torch.distributed collective the cell is in, for the heartbeat.
+
+    Only the Python entry points (what cells and automatic mode call); DDP's own
+    allreduces run inside backward(), in C++, and are not marked.
+    """
+    import functools
+
+    import torch.distributed as dist
+
+    for name in _COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None or getattr(original, "_jupyter_scale", False):
+            continue
+
+        def marked(*args, _original=original, _name=name, **kwargs):
+            if kwargs.get("async_op") or _state.collective is not None:
+                return _original(*args, **kwargs)
+            _state.collective = (_name, time.time())
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _state.collective = None
+
+        functools.update_wrapper(marked, original)
+        marked._jupyter_scale = True
+        setattr(dist, name, marked)
+
+
+def _heartbeat_status() -> dict:
+    found = _state.collective
+    return {"collective": found[0], "since": found[1]} if found else {"collective": None}
 
 
 def leave_group() -> None:
@@ -320,6 +361,10 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     sink = _connect_events(request.get("events"))
+    _state.collective = None
+    if sink is not None:
+        sink.heartbeat_interval = request.get("heartbeat", 0.0)
+        sink.heartbeat_status = _heartbeat_status
     if sink is not None:
         sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
     try:
@@ -429,6 +474,7 @@ def _close_events(sink: EventSink | None, state: str, **details) -> dict:
     """Final state event, then everything sent: the kernel has all points with the reply."""
     if sink is None:
         return {}
+    sink.heartbeat_interval = 0.0  # between cells a worker is quiet
     sink.state(state, **details)
     sink.flush()
     return {"events_sent": sink.sent, "events_dropped": sink.dropped}

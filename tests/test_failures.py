@@ -123,3 +123,26 @@ print("port", os.environ["MASTER_PORT"], "sum", t.item())
         for k in kernels:
             k.cell("%scale stop", timeout=60)
             k.shutdown()
+
+
+def test_a_rank_that_never_comes_is_named_while_the_others_wait(kernel):
+    # No --timeout: the cell may run as long as it needs, but the user is told who is missing.
+    kernel.ok("s = jupyter_scale.get_session(); s.heartbeat_interval = 0.5; s.hang_warning = 2")
+    try:
+        out = kernel.cell("""%%distribute
+import time
+if rank == 1:
+    time.sleep(8)        # rank 0 waits for it in the all_reduce below
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", t.item())
+""", timeout=120)
+        assert out.ok, out.error_text
+        assert "[rank 0] sum 2.0" in out.stdout
+        assert "rank(s) [0] have waited" in out.stderr and "in all_reduce" in out.stderr, out.stderr
+        assert "rank(s) [1] are not in it" in out.stderr
+        # A healthy cell where every rank computes says nothing.
+        quiet = kernel.ok("%%distribute\nimport time\ntime.sleep(4)\ndist.barrier()")
+        assert "have waited" not in quiet.stderr
+    finally:
+        kernel.ok("s.heartbeat_interval = 5.0; s.hang_warning = 60.0")
