@@ -187,3 +187,33 @@ def test_connect_to_an_ipcluster_by_its_connection_file(tmp_path):
         engines = psutil.Process(cluster.pid).children(recursive=True) if cluster.poll() is None else []
         _stop([cluster])
         assert wait_gone(engines, timeout=20) == []
+
+
+def test_connect_to_dask_workers_without_torch_names_the_cause(tmp_path):
+    broken = tmp_path / "site"
+    (broken / "torch").mkdir(parents=True)
+    (broken / "torch" / "__init__.py").write_text('raise ImportError("simulated broken torch install")\n')
+    scheduler_file = tmp_path / "scheduler.json"
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    processes = [subprocess.Popen(
+        [BIN / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+         "--scheduler-file", scheduler_file], **quiet)]
+    try:
+        _wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "no scheduler file")
+        address = json.loads(scheduler_file.read_text())["address"]
+        processes.append(subprocess.Popen(
+            [BIN / "dask", "worker", address, "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+            env=dict(os.environ, PYTHONPATH=str(broken)), **quiet))
+        k = Kernel()
+        try:
+            k.ok(SETUP)
+            out = k.cell(f"%scale connect {address} --workers 1", timeout=120)
+            assert not out.ok
+            assert "simulated broken torch install" in out.error["evalue"]
+            assert "install jupyter_scale and torch in the workers' environment" in out.error["evalue"]
+            assert "no cluster running" in k.ok("%scale").stdout
+        finally:
+            k.shutdown()
+        assert all(p.poll() is None for p in processes)  # not ours: left running
+    finally:
+        _stop(processes)

@@ -146,3 +146,27 @@ print("sum", t.item())
         assert "have waited" not in quiet.stderr
     finally:
         kernel.ok("s.heartbeat_interval = 5.0; s.hang_warning = 60.0")
+
+
+def test_workers_that_cannot_import_torch_fail_the_start_with_the_cause(tmp_path):
+    # The engines start (ipyparallel's engine does not need torch), but jupyter_scale's code
+    # cannot run on them: the first cell says why, within the start timeout, and starts nothing.
+    broken = tmp_path / "site"
+    (broken / "torch").mkdir(parents=True)
+    (broken / "torch" / "__init__.py").write_text('raise ImportError("simulated broken torch install")\n')
+    k = Kernel(backend="ipyparallel")
+    try:
+        k.ok(SETUP)
+        k.ok(f"import os; os.environ['PYTHONPATH'] = {str(broken)!r}; "
+             "jupyter_scale.get_session().start_timeout = 60")
+        out = k.cell("%%distribute --workers 2\nprint('ran', rank)", timeout=120)
+        assert not out.ok
+        assert out.error["ename"] == "WorkerCallFailed"
+        assert "ImportError: simulated broken torch install" in out.error["evalue"]
+        assert "ran" not in out.stdout
+        assert k.descendants() == []  # the half-started cluster was stopped
+        k.ok("del os.environ['PYTHONPATH']")
+        assert "[rank 1] ran 1" in k.ok("%%distribute --workers 2\nprint('ran', rank)", timeout=120).stdout
+    finally:
+        k.cell("%scale stop", timeout=60)
+        k.shutdown()

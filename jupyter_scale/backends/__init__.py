@@ -40,6 +40,16 @@ class WorkerLost(ClusterError):
         super().__init__(f"worker for rank {rank} was lost: {detail}")
 
 
+class WorkerCallFailed(WorkerLost):
+    """The engine could not run our function on a worker (e.g. jupyter_scale or torch does
+    not import there); the process may be alive, but the rank is unusable all the same."""
+
+    def __init__(self, rank: int, detail: str):
+        self.rank = rank
+        ClusterError.__init__(self, f"the worker of rank {rank} could not run jupyter_scale's code: {detail} "
+                                    "(check that jupyter_scale and torch import in the workers' environment)")
+
+
 class Job(abc.ABC):
     """One function running on every worker."""
 

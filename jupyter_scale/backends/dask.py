@@ -34,7 +34,7 @@ from distributed import Client, LocalCluster, get_worker
 
 from .. import metrics, worker
 from ..errors import ClusterError
-from . import Backend, Job, Output, WorkerLost
+from . import Backend, Job, Output, WorkerCallFailed, WorkerLost
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class _DaskJob(Job):
             raise WorkerLost(rank, f"its Dask worker {self._backend.address_of(rank)} left the cluster")
         if future.status == "error":
             exc = future.exception()
-            raise WorkerLost(rank, f"the Dask task failed: {type(exc).__name__}: {exc}")
+            raise WorkerCallFailed(rank, f"{type(exc).__name__}: {exc}")
         if future.status != "finished":
             raise WorkerLost(rank, f"the Dask task was {future.status}")
         if rank not in self._values:

@@ -12,7 +12,7 @@ import ipyparallel as ipp
 import psutil
 
 from ..errors import ClusterError
-from . import Backend, Job, Output, WorkerLost
+from . import Backend, Job, Output, WorkerCallFailed, WorkerLost
 
 log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
@@ -63,8 +63,9 @@ class _IPPJob(Job):
         if isinstance(value, ipp.error.EngineError):
             raise WorkerLost(rank, str(value))
         if isinstance(value, ipp.error.RemoteError):
-            # Our worker functions catch everything; a RemoteError here is the engine itself.
-            raise WorkerLost(rank, f"{value.ename}: {value.evalue}")
+            # Our worker functions catch everything; a RemoteError here is the engine itself
+            # failing to load or run them.
+            raise WorkerCallFailed(rank, f"{value.ename}: {value.evalue}")
         if isinstance(value, BaseException):
             raise WorkerLost(rank, repr(value))
         return value
