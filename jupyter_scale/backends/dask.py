@@ -333,6 +333,7 @@ class DaskBackend(Backend):
         self._output_topic = ""
         self._job_ids = itertools.count()
         self._alive: set[str] = set()
+        self._alive_before: set[str] = set()
         self._alive_at = 0.0
         self.owns_cluster = True
 
@@ -421,6 +422,7 @@ class DaskBackend(Backend):
         ordered = sorted(workers, key=lambda a: (workers[a].get("host", ""), str(workers[a].get("name", "")), a))
         self.client = client
         self._addresses = ordered[:n] if n else ordered
+        self._alive = self._alive_before = set(self._addresses)
         self._output_topic = f"jupyter_scale-output-{uuid.uuid4().hex[:12]}"
         client.subscribe_topic(self._output_topic, self._route_output)
         try:
@@ -490,16 +492,18 @@ class DaskBackend(Backend):
         now = time.monotonic()
         if fresh or now - self._alive_at > LIVENESS_INTERVAL_S:
             try:
-                self._alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-            except Exception:  # the scheduler is gone: so are its workers, for us
+                answer = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            except Exception:  # no answer (a busy or gone scheduler): nothing learnt, keep what we knew
                 log.debug("scheduler_info failed", exc_info=True)
-                self._alive = set()
-            self._alive_at = now
+                return self._alive
+            self._alive_before, self._alive, self._alive_at = self._alive, answer, now
         return self._alive
 
     def gone_ranks(self) -> list[int]:
+        """Ranks whose worker two answers of the scheduler in a row no longer list."""
         alive = self._alive_addresses()
-        return [r for r, a in enumerate(self._addresses) if a not in alive]
+        before = self._alive_before
+        return [r for r, a in enumerate(self._addresses) if a not in alive and a not in before]
 
     def dead_ranks(self) -> list[int]:
         if self.client is None:
