@@ -169,9 +169,9 @@ class ScaleSession(LoggingConfigurable):
         try:
             if not backend.owns_cluster:  # workers of a cluster we attach to start clean
                 backend.submit(worker.reset).wait(self.start_timeout)
-            else:
-                self._tie_workers_to_kernel(backend)
             self._form_group()
+            if backend.owns_cluster:
+                self._tie_workers_to_kernel(backend)
         except BaseException:
             self._shutdown()
             raise
@@ -183,7 +183,7 @@ class ScaleSession(LoggingConfigurable):
         import psutil
 
         me = psutil.Process()
-        pids = {w["pid"] for w in backend.submit_each(worker.describe, [()] * backend.size).wait(self.start_timeout)}
+        pids = {w["pid"] for w in self.workers}  # described by _form_group
         helpers = []
         for process in backend.local_processes():
             try:
