@@ -20,7 +20,7 @@ from traitlets import Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from . import metrics, rendezvous, shipping, worker
-from .backends import Backend, Job, Output, WorkerLost, create_backend
+from .backends import Backend, Job, Output, WorkerCallFailed, WorkerLost, create_backend, describe_exit
 from .errors import ClusterError, DistributeError, RankFailure, RemoteError
 
 log = logging.getLogger(__name__)
@@ -492,7 +492,9 @@ class ScaleSession(LoggingConfigurable):
                         header, *rest = job.result(rank)
                     except WorkerLost as exc:
                         lost.append(rank)
-                        failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True))
+                        how = self._how_it_died(rank) if not isinstance(exc, WorkerCallFailed) else ""
+                        failures.append(RankFailure(rank, type(exc).__name__, f"{exc}{how}", "", time.time(),
+                                                    lost=True))
                         first_failure = first_failure or time.monotonic()
                         continue
                     headers[rank], frames_back[rank] = header, tuple(rest)
@@ -544,6 +546,21 @@ class ScaleSession(LoggingConfigurable):
                 f.etype = "TimeoutError" if f.etype == "KeyboardInterrupt" else f.etype
                 f.message = f.message or f"still running after --timeout {timeout:g} s"
         return headers, frames_back, failures, lost
+
+    def _how_it_died(self, rank: int, wait: float = 2.0) -> str:
+        """' (its process was killed by SIGKILL)', when the engine can tell.
+
+        The engine may notice the lost worker before the process's status is read, so
+        this waits a little for it.
+        """
+        pid = self.workers[rank].get("pid") if rank < len(self.workers) else None
+        if pid is None or not self.backend.owns_cluster:  # another host's process: unknowable
+            return ""
+        deadline = time.monotonic() + wait
+        while (code := self.backend.exit_code(pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        how = describe_exit(code)
+        return f" (its process {pid} {how})" if how else ""
 
     def _warn_if_waiting(self, ranks_running: list[int], warned_at: float) -> float:
         """Name the ranks others wait for; returns when it last warned."""

@@ -309,6 +309,7 @@ def test_the_clusters_files_are_readable_by_the_owner_only(kernel):
         assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
 
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
+    kernel.ok("%%distribute\npass")  # the cluster is up
     pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
     out = kernel.cell("""%%distribute
 import os
@@ -319,6 +320,7 @@ dist.all_reduce(t)
 """, timeout=60)
     assert not out.ok
     assert "rank 1 failed: WorkerLost" in out.error_text
+    assert f"(its process {pids[1]} exited with status 1)" in out.error_text  # how it died
     assert "rank(s) [1]" in kernel.ok("%scale").stdout
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "is gone; restarting the cluster with 2 workers" in again.stdout
@@ -340,6 +342,7 @@ for step in range(10_000):
 """, timeout=60)
     assert not out.ok
     assert "rank 1 failed: WorkerLost" in out.error_text
+    assert f"(its process {pid} killed by SIGKILL)" in out.error_text
     assert "rank(s) [1]" in kernel.ok("%scale").stdout
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "[rank 1] sum 2.0" in again.stdout

@@ -170,3 +170,45 @@ def test_workers_that_cannot_import_torch_fail_the_start_with_the_cause(tmp_path
     finally:
         k.cell("%scale stop", timeout=60)
         k.shutdown()
+
+
+# Runs in every Python process started with this PYTHONPATH; ends the engine's worker
+# processes (ipyparallel engines, Dask's spawned workers) at start, as a broken shared
+# library or a bad site package would, and leaves every other process alone.
+DIES_AT_START = '''
+import os, sys
+_cmd = open("/proc/self/cmdline", "rb").read()
+if b"ipyparallel.engine" in _cmd or b"spawn_main" in _cmd:
+    sys.stderr.write("ImportError: libsimulated.so: cannot open shared object file\\n")
+    sys.stderr.flush()
+    os._exit(3)
+'''
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_worker_process_that_dies_at_start_fails_the_cell_with_how_it_died(engine, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(DIES_AT_START)
+    k = Kernel(backend=engine)
+    try:
+        k.ok(SETUP)
+        k.ok(f"import os; os.environ['PYTHONPATH'] = {str(site)!r}; "
+             "jupyter_scale.get_session().start_timeout = 120")
+        # The deadline is well under the start timeout: the failure is noticed, not waited out.
+        out = k.cell("%%distribute --workers 2\nprint('ran', rank)", timeout=60)
+        assert not out.ok
+        assert out.error["ename"] == "ClusterError"
+        message = out.error["evalue"]
+        assert len(message.splitlines()) == 1
+        assert "exited with status 3 while starting" in message
+        assert "fix the" in message and "environment" in message  # what to do next
+        if engine == "ipyparallel":  # the engine's own output; Dask's went to the kernel's stderr
+            assert "ImportError: libsimulated.so" in message
+        assert "ran" not in out.stdout
+        assert k.descendants() == []  # nothing half-started is left
+        k.ok("del os.environ['PYTHONPATH']")
+        assert "[rank 1] ran 1" in k.ok("%%distribute --workers 2\nprint('ran', rank)", timeout=120).stdout
+    finally:
+        k.cell("%scale stop", timeout=60)
+        k.shutdown()

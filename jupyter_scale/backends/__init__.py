@@ -11,6 +11,7 @@ engine (Ray, plain MPI) is one new module plus one line in its package metadata.
 from __future__ import annotations
 
 import abc
+import signal
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -132,6 +133,11 @@ class Backend(abc.ABC):
         """Ranks whose worker process is known to be gone."""
         return []
 
+    def exit_code(self, pid: int) -> int | None:
+        """How a worker process this backend started ended: its exit status, or minus the
+        signal that killed it; None while it runs or where the engine cannot tell."""
+        return None
+
     def describe(self) -> dict:
         """Engine-specific facts for `%scale status` (addresses, ids)."""
         return {}
@@ -149,6 +155,18 @@ class Backend(abc.ABC):
         from ..metrics import EventStream
 
         return EventStream()
+
+
+def describe_exit(code: int | None) -> str:
+    """'killed by SIGKILL', 'exited with status 1', or '' when unknown."""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def available_backends() -> dict[str, Any]:

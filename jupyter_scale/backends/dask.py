@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 import dask
 import psutil
-from distributed import Client, LocalCluster, get_worker
+from distributed import Client, LocalCluster, Nanny, get_worker
 
 from .. import metrics, worker
 from ..errors import ClusterError
-from . import Backend, Job, Output, WorkerCallFailed, WorkerLost
+from . import Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,28 @@ async def _interrupt() -> bool:
 # Kernel side
 # --------------------------------------------------------------------------------------
 
+class _Nanny(Nanny):
+    """A nanny that remembers how its worker processes ended (Dask only logs it)."""
+
+    born: list  # set per cluster (see start): its nannies, reachable even if the start fails
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.born.append(self)
+        self.exit_codes: dict[int | None, int] = {}  # pid (None: died while starting) -> code
+        self._worker_pid: int | None = None
+
+    async def instantiate(self):
+        self._worker_pid = None
+        status = await super().instantiate()
+        self._worker_pid = self.process.pid if self.process is not None else None
+        return status
+
+    def _on_worker_exit_sync(self, exitcode):
+        self.exit_codes[self._worker_pid] = exitcode
+        super()._on_worker_exit_sync(exitcode)
+
+
 class _TopicEventQueue(metrics.EventQueue):
     """The kernel's end of the metrics stream when it travels as Dask events."""
 
@@ -352,6 +374,8 @@ class DaskBackend(Backend):
             silence_logs=logging.ERROR,
             preload=[__name__],  # dask_setup above
         )
+        nannies: list[_Nanny] = []
+        options.setdefault("worker_class", type("_Nanny", (_Nanny,), {"born": nannies}))
         options.update(self._cluster_options)
         settings = {
             # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
@@ -375,6 +399,12 @@ class DaskBackend(Backend):
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):
                     raise
+                died = [code for nanny in nannies for code in nanny.exit_codes.values()]
+                if died:  # their output went to the kernel's own stderr, not to the notebook
+                    raise ClusterError(
+                        f"could not start {n} Dask workers: a worker process {describe_exit(died[0])} while "
+                        "starting (its output is in the kernel's log, e.g. the terminal running Jupyter); "
+                        "fix the workers' environment and run the cell again") from exc
                 raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
         try:
             # Direct: results and big arguments go straight between the kernel and a worker,
@@ -473,6 +503,12 @@ class DaskBackend(Backend):
         with contextlib.suppress(Exception):  # no dashboard, or none the client knows of
             info["dashboard"] = self.client.dashboard_link
         return info
+
+    def exit_code(self, pid: int) -> int | None:
+        for nanny in (self._cluster.workers.values() if self._cluster is not None else ()):
+            if pid in getattr(nanny, "exit_codes", {}):
+                return nanny.exit_codes[pid]
+        return None
 
     def local_processes(self) -> list:
         """psutil handles of the worker processes this backend started."""

@@ -10,9 +10,10 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
 from ..errors import ClusterError
-from . import Backend, Job, Output, WorkerCallFailed, WorkerLost
+from . import Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
 log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
@@ -23,6 +24,59 @@ _quiet_cluster_log.setLevel(logging.ERROR)
 HEARTBEAT_MS = 500
 # How long a rank's output may trail its reply before the rank counts as done anyway.
 OUTPUT_GRACE_S = 2.0
+
+
+class _EngineLauncher(LocalEngineLauncher):
+    """A local engine launcher that remembers how its process ended.
+
+    ipyparallel's waiter thread reaps the engine and hands the status to an event-loop
+    callback, which does not run while a cell blocks the kernel (and Popen then reads 0):
+    the status is kept here, in the waiter thread, as it is read.
+    """
+
+    seen_exit_code: int | None = None
+
+    def _start_waiting(self):
+        wait = self.process.wait
+
+        def recording_wait(timeout=None):
+            code = wait(timeout)
+            self.seen_exit_code = int(code) if code is not None else None
+            return code
+
+        self.process.wait = recording_wait
+        super()._start_waiting()
+
+
+class _EngineSetLauncher(LocalEngineSetLauncher):
+    launcher_class = _EngineLauncher
+
+    def start(self, n):
+        result = super().start(n)
+        # ipyparallel drops a launcher from `launchers` once its engine stops; keep them
+        # all, with what they know of how their engine ended.
+        self.started_launchers = dict(self.launchers)
+        return result
+
+
+def _engine_launchers(cluster: ipp.Cluster | None) -> dict:
+    found = {}
+    for engine_set in (cluster.engines.values() if cluster is not None else ()):
+        found.update(getattr(engine_set, "started_launchers", None) or getattr(engine_set, "launchers", {}))
+    return found
+
+
+def _startup_failure(cluster: ipp.Cluster) -> str:
+    """What the engines that ended during start printed last (their output files)."""
+    found = []
+    for ident, launcher in _engine_launchers(cluster).items():
+        process = getattr(launcher, "process", None)
+        if process is None or process.is_running():
+            continue
+        lines = [line.strip() for line in (launcher.get_output() or "").splitlines() if line.strip()]
+        how = describe_exit(getattr(launcher, "seen_exit_code", None)) or "ended"
+        found.append(f"engine {ident} {how} while starting" + (f": {lines[-1]}" if lines else ""))
+    return "; ".join(found[:2])
 
 
 class _IPPJob(Job):
@@ -62,6 +116,9 @@ class _IPPJob(Job):
         value = self._futures[rank].result()
         if isinstance(value, ipp.error.EngineError):
             raise WorkerLost(rank, str(value))
+        if isinstance(value, ipp.error.RemoteError) and value.ename == "EngineError":
+            # The controller's word for "the engine died while running this".
+            raise WorkerLost(rank, "its engine died while running the cell")
         if isinstance(value, ipp.error.RemoteError):
             # Our worker functions catch everything; a RemoteError here is the engine itself
             # failing to load or run them.
@@ -126,19 +183,23 @@ class IPyParallelBackend(Backend):
             # this backend holds the cluster. The connection files it keeps are owner-only.
             cluster_file="",
         )
+        if not {"engines", "engine_launcher_class"} & set(self._cluster_options):
+            options["engine_launcher_class"] = _EngineSetLauncher  # local engines, exit codes kept
         options.update(self._cluster_options)
         cluster = ipp.Cluster(**options)
         try:
             client = cluster.start_and_connect_sync(activate=False)
             client.wait_for_engines(n, timeout=timeout)
         except BaseException as exc:
+            detail = _startup_failure(cluster) or str(exc)
             try:
                 cluster.stop_cluster_sync()
             except Exception:  # already half-down; the original error is what matters
                 log.debug("cleanup after failed start", exc_info=True)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise ClusterError(f"could not start {n} ipyparallel engines: {exc}") from exc
+            raise ClusterError(f"could not start {n} ipyparallel engines: {detail}"
+                               + ("; fix the engines' environment and run the cell again" if detail != str(exc) else "")) from exc
         self._cluster, self._client = cluster, client
         self._engine_ids = sorted(client.ids)[:n]
 
@@ -214,6 +275,12 @@ class IPyParallelBackend(Backend):
             "profile_dir": self._cluster.profile_dir,
             "engine_ids": list(self._engine_ids),
         }
+
+    def exit_code(self, pid: int) -> int | None:
+        for launcher in _engine_launchers(self._cluster).values():
+            if getattr(launcher, "pid", None) == pid:
+                return getattr(launcher, "seen_exit_code", None)
+        return None
 
     def local_processes(self) -> list:
         """psutil handles of the controller and engine processes this backend started."""
