@@ -9,7 +9,8 @@ work inside `%%distribute` cells and, as no-ops or local recording, outside them
 from __future__ import annotations
 
 from ._version import __version__
-from .errors import ClusterError, DistributeError, RemoteError, ShippingError
+from .errors import (CellTimeout, ClusterError, DistributeError, RemoteError, ShippingError, WorkerCallFailed,
+                     WorkerDied, WorkerLost)
 from .metrics import report
 from .training import shard, wrap
 
@@ -59,5 +60,6 @@ def unload_ipython_extension(ip) -> None:
 
 __all__ = [
     "__version__", "get_session", "history", "report", "shard", "wrap",
-    "DistributeError", "ClusterError", "RemoteError", "ShippingError",
+    "DistributeError", "ClusterError", "RemoteError", "ShippingError", "WorkerDied", "CellTimeout",
+    "WorkerLost", "WorkerCallFailed",
 ]

@@ -20,8 +20,9 @@ from traitlets import Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from . import metrics, rendezvous, shipping, worker
-from .backends import Backend, Job, Output, WorkerCallFailed, WorkerLost, create_backend, describe_exit
-from .errors import ClusterError, DistributeError, RankFailure, RemoteError
+from .backends import Backend, Job, Output, create_backend, describe_exit
+from .errors import (CellTimeout, ClusterError, DistributeError, RankFailure, RemoteError, WorkerCallFailed,
+                     WorkerDied, WorkerLost)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class ScaleSession(LoggingConfigurable):
         self.shipper = shipping.Shipper()  # what the workers hold of the notebook's values
         self._group_ready = False
         self._user_interrupted = False
+        self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat in the running cell
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
@@ -294,6 +296,7 @@ class ScaleSession(LoggingConfigurable):
         self.group = {}
         self.shipper = shipping.Shipper()
         self._group_ready = False
+        self._resync = False
 
     def _form_group(self) -> None:
         """Lay out ranks (host, local rank, device) and initialize torch.distributed."""
@@ -364,6 +367,7 @@ class ScaleSession(LoggingConfigurable):
             "auto": not manual,
             "events": self._event_stream().address,
             "heartbeat": self.heartbeat_interval,
+            "resync": self._resync,
             # Drawn from the notebook's RNG, as the cell would draw locally: a notebook that
             # calls torch.manual_seed gets the same worker runs every time.
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
@@ -371,7 +375,7 @@ class ScaleSession(LoggingConfigurable):
         view = _RunView(self, record, steps)
         job = self.backend.submit(worker.run_cell, request, *shipment.frames)
         try:
-            headers, frames_back, failures, lost = self._wait(job, record, timeout, view)
+            headers, frames_back, error, lost = self._wait(job, record, timeout, view)
         except BaseException as exc:
             record.status, record.error = "failed", str(exc)
             self.shipper.discard()
@@ -392,15 +396,18 @@ class ScaleSession(LoggingConfigurable):
             self.shipper.discard()  # some rank may not hold the new values: send again
         if any(not h.get("group_ready", False) for h in headers.values()):
             self._group_ready = False
-        if failures:
-            error = RemoteError(failures)
-            record.status = "interrupted" if all(f.interrupted for f in failures) else "failed"
+        if error is not None:
+            self._resync = True
+            record.status = ("timed out" if isinstance(error, CellTimeout)
+                             else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
             record.error = str(error)
             view.finish(record)
             if record.status == "interrupted" and self._user_interrupted:
-                raise KeyboardInterrupt(f"interrupted; ranks stopped: {sorted(f.rank for f in failures)}")
+                raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
+                                        "and are ready for the next cell")
             raise error
         record.status = "finished"
+        self._resync = self._resync and manual  # an automatic cell equalized the models
         view.finish(record)
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
         return record
@@ -450,7 +457,12 @@ class ScaleSession(LoggingConfigurable):
         ]
 
     def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "_RunView"):
-        """Stream output until every rank answered; stop the others after a failure."""
+        """Stream output until every rank answered; stop the others after a failure.
+
+        Returns each rank's header and frames, the cell's error (None if every rank
+        succeeded; else RemoteError, WorkerDied or CellTimeout) and the ranks whose
+        worker was lost.
+        """
         backend = self.backend
         labeler = _LineLabeler()
         headers: dict[int, dict] = {}
@@ -494,7 +506,7 @@ class ScaleSession(LoggingConfigurable):
                         lost.append(rank)
                         how = self._how_it_died(rank) if not isinstance(exc, WorkerCallFailed) else ""
                         failures.append(RankFailure(rank, type(exc).__name__, f"{exc}{how}", "", time.time(),
-                                                    lost=True))
+                                                    lost=True, cause=exc))
                         first_failure = first_failure or time.monotonic()
                         continue
                     headers[rank], frames_back[rank] = header, tuple(rest)
@@ -540,12 +552,16 @@ class ScaleSession(LoggingConfigurable):
         self._collect_last_events(headers, record, view)
         if record.lost_events:
             _write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
-        if timed_out:
-            for f in failures:
-                f.interrupted = False
-                f.etype = "TimeoutError" if f.etype == "KeyboardInterrupt" else f.etype
-                f.message = f.message or f"still running after --timeout {timeout:g} s"
-        return headers, frames_back, failures, lost
+        if not failures:
+            error = None
+        elif timed_out:
+            error = CellTimeout(failures, timeout=timeout,
+                                finished=[r for r, h in headers.items() if h["status"] == "ok"])
+        elif lost:
+            error = WorkerDied(failures)
+        else:
+            error = RemoteError(failures)
+        return headers, frames_back, error, lost
 
     def _how_it_died(self, rank: int, wait: float = 2.0) -> str:
         """' (its process was killed by SIGKILL)', when the engine can tell.

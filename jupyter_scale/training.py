@@ -385,22 +385,43 @@ def broadcast_buffers(namespace: dict) -> list[str]:
     buffers from its own shard during the cell; at the end of the cell rank 0's win, so
     the ranks (and the model pulled back into the notebook) hold the same values.
     """
-    def modules():
-        for name, value in namespace.items():
-            if isinstance(value, DistributedDataParallel):
-                value = value.module
-            if isinstance(value, torch.nn.Module) and any(True for _ in value.buffers()):
-                yield name, value
+    return _broadcast_modules(namespace, lambda module: list(module.named_buffers()))
 
-    mine = dict(modules())
+
+def resync_modules(namespace: dict) -> list[str]:
+    """Give every rank rank 0's parameters and buffers, for the models in the namespace.
+
+    After a failed or interrupted cell the ranks may stand a step apart (one applied an
+    optimizer step the other never reached); automatic mode runs this before the next
+    cell so that training goes on from equal weights, as DDP's re-wrap does for DDP models.
+    """
+    return _broadcast_modules(namespace, lambda module: [*module.named_parameters(), *module.named_buffers()])
+
+
+def _broadcast_modules(namespace: dict, tensors_of) -> list[str]:
+    """Broadcast rank 0's `tensors_of(module)` for the namespace's modules; only modules that
+    every rank holds under the same name with the same tensor names, shapes and dtypes (a
+    collective needs the same calls on every rank). Returns their names."""
+    mine: dict[str, list[torch.Tensor]] = {}
+    signatures: dict[str, list] = {}
+    for name, value in namespace.items():
+        if isinstance(value, DistributedDataParallel):
+            value = value.module
+        if not isinstance(value, torch.nn.Module):
+            continue
+        named = tensors_of(value)
+        if named:
+            mine[name] = [t for _, t in named]
+            signatures[name] = [(k, tuple(t.shape), str(t.dtype)) for k, t in named]
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine))
-    common = [n for n in sorted(mine) if all(n in names for names in everyone)]
+    dist.all_gather_object(everyone, signatures)
+    common = [n for n in sorted(mine) if all(other.get(n) == signatures[n] for other in everyone)]
     seen: set[int] = set()
-    for name in common:
-        for buffer in mine[name].buffers():
-            if id(buffer) in seen:
-                continue
-            seen.add(id(buffer))
-            dist.broadcast(buffer, src=0)
+    with torch.no_grad():
+        for name in common:
+            for tensor in mine[name]:
+                if id(tensor) in seen:  # shared by two names (a model and its submodule)
+                    continue
+                seen.add(id(tensor))
+                dist.broadcast(tensor.detach(), src=0)
     return common

@@ -49,6 +49,7 @@ class _WorkerState:
     sink: Any = None  # metrics.EventSink to the kernel's event stream
     cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
     collective: tuple | None = None  # (name, since) of the blocking collective the cell is in
+    failed_in: str | None = None  # the collective the cell was in when it raised
 
 
 _state = _WorkerState()
@@ -279,6 +280,11 @@ def _install_collective_marks() -> None:
             _state.collective = (_name, time.time())
             try:
                 return _original(*args, **kwargs)
+            except BaseException:
+                # Freed from a collective (a peer cut the group, an interrupt): the kernel
+                # tells waiting ranks from the ones they waited for by this.
+                _state.failed_in = _name
+                raise
             finally:
                 _state.collective = None
 
@@ -361,7 +367,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     sink = _connect_events(request.get("events"))
-    _state.collective = None
+    _state.collective = _state.failed_in = None
     if sink is not None:
         sink.heartbeat_interval = request.get("heartbeat", 0.0)
         sink.heartbeat_status = _heartbeat_status
@@ -376,6 +382,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
                 shipped = {name: mode.shard_shipped(value) for name, value in shipped.items()}
             _state.namespace.update(shipped)
             received = True
+            if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
+                training.resync_modules(_state.namespace)
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")
@@ -401,6 +409,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             "traceback": _user_traceback(exc),
             "time": failed_at,
             "interrupted": isinstance(exc, KeyboardInterrupt),
+            "collective": _state.failed_in,
         }
         with _sigint_ignored():
             counts = _close_events(sink, "failed", error=failure["etype"])

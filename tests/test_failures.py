@@ -212,3 +212,74 @@ def test_a_worker_process_that_dies_at_start_fails_the_cell_with_how_it_died(eng
     finally:
         k.cell("%scale stop", timeout=60)
         k.shutdown()
+
+
+def test_a_hang_under_timeout_names_the_silent_rank_and_the_cell_after_works(kernel):
+    out = kernel.cell("""%%distribute --timeout 5
+import time
+if rank == 1:
+    time.sleep(120)      # silent: never reaches the all_reduce rank 0 waits in
+t = torch.ones(1)
+dist.all_reduce(t)
+""", timeout=90)
+    assert not out.ok
+    assert out.error["ename"] == "CellTimeout"
+    assert out.error["evalue"] == ("still running after --timeout 5 s: rank(s) [1] never reached the "
+                                   "all_reduce that rank(s) [0] waited in")
+    text = out.error_text
+    assert "--- rank 1 traceback ---" in text and "time.sleep(120)" in text  # where the silent rank was
+    assert "in all_reduce)" in text  # rank 0's line says where it waited
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "timed out"
+    again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
+    assert "[rank 1] sum 2.0" in again.stdout
+
+
+TRAIN_UNTIL_STOPPED = """%%distribute
+import time
+loader = DataLoader(data, batch_size=32, shuffle=True)
+opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+print("training", flush=True)
+started = time.time()
+while time.time() - started < 120:      # far longer than the test lets it run
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        report(loss=0.0)
+"""
+
+
+def test_interrupting_training_stops_every_rank_and_training_goes_on_from_equal_weights(kernel):
+    import threading
+
+    kernel.ok("torch.manual_seed(0)\nnet = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))\n"
+              "data = TensorDataset(torch.randn(4096, 16), torch.randint(0, 4, (4096,)))")
+    timer = threading.Timer(2.0, kernel.manager.interrupt_kernel)  # mid-epoch, ranks inside steps
+
+    def on_stream(name, text):
+        if "[rank 1] training" in text and not timer.is_alive():
+            timer.start()
+
+    try:
+        out = kernel.cell(TRAIN_UNTIL_STOPPED, timeout=90, on_stream=on_stream)
+    finally:
+        timer.cancel()
+    assert timer.finished.is_set(), "training never started"
+    assert not out.ok
+    assert out.error["ename"] == "KeyboardInterrupt"
+    assert "ranks [0, 1] stopped" in out.error["evalue"]
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
+    # The workers are reusable, and the next automatic cell starts from rank 0's weights on
+    # every rank, even where an interrupt caught the ranks a step apart: here they are made
+    # to differ on purpose (a manual cell leaves them alone).
+    kernel.ok("%%distribute --manual\nfor p in net.parameters():\n    p.data.add_(rank)")
+    kernel.ok("""%%distribute
+x, y = next(iter(loader))
+opt.zero_grad()
+nn.functional.cross_entropy(net(x), y).backward()
+opt.step()
+weights = torch.cat([p.detach().flatten() for p in net.parameters()])
+""")
+    assert kernel.value("torch.equal(*jupyter_scale.get_session().gather('weights'))") is True
+    assert kernel.value("torch.equal(torch.cat([p.detach().flatten() for p in net.parameters()]), "
+                        "jupyter_scale.get_session().gather('weights')[0])") is True

@@ -104,6 +104,51 @@ def test_remote_error_blames_the_first_real_failure():
     assert "--- rank 1 traceback ---" in rendered and "rank 0: RuntimeError" in rendered
 
 
+def test_a_timeout_names_the_rank_the_others_waited_for():
+    from jupyter_scale.errors import CellTimeout
+
+    failures = [
+        RankFailure(0, "RuntimeError", "Connection closed by peer", "tb0", time=1.0, collective="all_reduce"),
+        RankFailure(1, "KeyboardInterrupt", "", "Traceback...\n    time.sleep(60)", time=2.0, interrupted=True),
+    ]
+    error = CellTimeout(failures, timeout=10)
+    assert isinstance(error, TimeoutError) and isinstance(error, RemoteError)
+    assert error.rank == 1 and error.silent_ranks == [1] and error.waiting_ranks == [0]
+    assert str(error) == ("still running after --timeout 10 s: rank(s) [1] never reached the all_reduce "
+                          "that rank(s) [0] waited in")
+    rendered = error._render_traceback_()
+    assert rendered[0] == "--- rank 1 traceback ---" and "time.sleep(60)" in rendered[2]
+    assert "  rank 0: RuntimeError: Connection closed by peer (in all_reduce)" in rendered
+    assert "raise --timeout" in rendered[-1] and "reusable" in rendered[-1]
+
+    # One rank finished the cell while the other waited for it in a collective.
+    alone = CellTimeout([RankFailure(0, "RuntimeError", "cut", "tb", collective="all_reduce")], timeout=3, finished=[1])
+    assert "rank(s) [0] waited in all_reduce, which rank(s) [1] never joined" in str(alone)
+    assert "same collectives" in alone.hint
+    mismatch = CellTimeout([RankFailure(0, "RuntimeError", "cut", "tb", collective="all_reduce"),
+                            RankFailure(1, "RuntimeError", "cut", "tb", collective="broadcast")], timeout=3)
+    assert "different collectives (rank 0 in all_reduce, rank 1 in broadcast)" in str(mismatch)
+    busy = CellTimeout([RankFailure(r, "KeyboardInterrupt", "", "tb", interrupted=True) for r in (0, 1)], timeout=5)
+    assert str(busy) == "still running after --timeout 5 s: rank(s) [0, 1] were still computing"
+    assert busy.failures[0].etype == "TimeoutError" and not busy.failures[0].interrupted
+
+
+def test_a_dead_worker_is_the_cause_and_keeps_the_engines_error():
+    from jupyter_scale.errors import WorkerDied, WorkerLost
+
+    cause = WorkerLost(1, "its engine died while running the cell")
+    failures = [
+        RankFailure(0, "RuntimeError", "Connection reset by peer", "tb0", time=1.0, collective="all_reduce"),
+        RankFailure(1, "WorkerLost", f"{cause} (its process 42 killed by SIGKILL)", "", time=3.0, lost=True,
+                    cause=cause),
+    ]
+    error = WorkerDied(failures)
+    assert error.rank == 1 and error.__cause__ is cause
+    assert str(error).startswith("rank 1 failed: WorkerLost: worker for rank 1 was lost")
+    assert "killed by SIGKILL" in str(error)
+    assert "restarts the cluster" in error._render_traceback_()[-1]
+
+
 def test_loopback_interface_exists():
     name = rendezvous.loopback_interface()
     assert name and name in {n for _, n in socket.if_nameindex()}

@@ -55,7 +55,8 @@ if rank == 0:
 md("""## A rank that hangs
 
 Rank 1 sleeps before the collective. There is no time limit by default (long training cells
-are normal); `--timeout` sets one, and the error names the ranks still running."""),
+are normal: a heartbeat names a rank the others have waited for a minute); `--timeout` sets
+one, and the error names the silent rank and shows where it was."""),
 failing("""%%distribute --timeout 3
 import time
 if rank == 1:
@@ -63,10 +64,33 @@ if rank == 1:
 dist.all_reduce(torch.ones(1))"""),
 code("""last = jupyter_scale.get_session().runs[-1]
 print(last.status)
-print("stopped by the timeout:", "--timeout 3 s" in last.error or "TimeoutError" in last.error)"""),
-code("""%%distribute
+print(last.error)"""),
+md("""The errors are typed, so code that drives the session can tell them apart:
+`RemoteError` (a rank raised), `WorkerDied` (a worker process died), `CellTimeout` (also a
+`TimeoutError`), each with the rank and every rank's failure."""),
+code("""try:
+    jupyter_scale.get_session().run("import time\\nif rank == 0:\\n    time.sleep(600)\\ndist.barrier()", timeout=3)
+except jupyter_scale.CellTimeout as error:
+    print("silent:", error.silent_ranks, "waiting:", error.waiting_ranks)"""),
+md("""## A worker that dies
+
+Rank 1's process exits in the middle of the cell. The cell fails at once, saying how the
+process ended; the next cell replaces the worker (the workers' variables are lost, the
+notebook's are not)."""),
+failing("""%%distribute
+import os
+if rank == 1:
+    os._exit(1)
+dist.all_reduce(torch.ones(1))"""),
+code("""last = jupyter_scale.get_session().runs[-1]
+print(last.status)
+print("names rank 1 and how it died:", "rank 1 failed" in last.error and "exited with status 1" in last.error)"""),
+ignore("""%%distribute
+t = torch.ones(1)
+dist.all_reduce(t)
 if rank == 0:
-    print("the workers are usable again")"""),
+    print("all_reduce over", int(t.item()), "ranks")"""),
+code("""print("the model is still the notebook's:", torch.equal(model.weight, weights_before))"""),
 code("%scale stop"),
 ]
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
-from ..errors import ClusterError
+from ..errors import ClusterError, WorkerCallFailed, WorkerLost  # noqa: F401 - engines raise these
 
 ENTRY_POINT_GROUP = "jupyter_scale.backends"
 
@@ -31,24 +31,6 @@ class Output:
     text: str = ""
     data: dict = field(default_factory=dict)  # mimebundle, for "display"
     metadata: dict = field(default_factory=dict)
-
-
-class WorkerLost(ClusterError):
-    """A worker process went away while running (crashed, killed, or unregistered)."""
-
-    def __init__(self, rank: int, detail: str):
-        self.rank = rank
-        super().__init__(f"worker for rank {rank} was lost: {detail}")
-
-
-class WorkerCallFailed(WorkerLost):
-    """The engine could not run our function on a worker (e.g. jupyter_scale or torch does
-    not import there); the process may be alive, but the rank is unusable all the same."""
-
-    def __init__(self, rank: int, detail: str):
-        self.rank = rank
-        ClusterError.__init__(self, f"the worker of rank {rank} could not run jupyter_scale's code: {detail} "
-                                    "(check that jupyter_scale and torch import in the workers' environment)")
 
 
 class Job(abc.ABC):
