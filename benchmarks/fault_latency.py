@@ -167,10 +167,18 @@ def _torchrun(script: str) -> float:
         path = Path(tmp, "fault.py")
         path.write_text(script)
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-             "127.0.0.1", "--master-port", "0", str(path)],
-            capture_output=True, text=True, timeout=300, env=env)
+        # c10d rendezvous on a free loopback port (a static one with port 0 never meets).
+        process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", "127.0.0.1:0", str(path)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        try:
+            stdout, _ = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks: the group we started
+            process.communicate()
+            raise
+        done = subprocess.CompletedProcess(process.args, process.returncode, stdout)
         ended = time.time()
         assert done.returncode != 0, "torchrun did not fail"
         return ended - _fault_time(done.stdout)

@@ -474,6 +474,7 @@ class ScaleSession(LoggingConfigurable):
         interrupted_at: float | None = None
         abort_requested = False
         self._user_interrupted = False
+        interrupt_sent = 0.0
         timed_out = False
         self._beats: dict[int, dict] = {}
         warned_at = time.monotonic()
@@ -543,7 +544,9 @@ class ScaleSession(LoggingConfigurable):
             except KeyboardInterrupt:
                 # The user interrupted the kernel: pass it on to every rank, keep waiting
                 # (bounded by stop_deadline) so they are reusable afterwards.
-                self._user_interrupted = True
+                if not self._user_interrupted:
+                    self._user_interrupted = True
+                    interrupt_sent = time.time()
                 print("jupyter_scale: interrupting the workers ...", file=sys.stderr, flush=True)
                 stop_running("kernel interrupt")
         self._emit(job.new_output(), labeler)
@@ -552,6 +555,14 @@ class ScaleSession(LoggingConfigurable):
         self._collect_last_events(headers, record, view)
         if record.lost_events:
             _write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
+        if self._user_interrupted and not lost:
+            for f in failures:
+                # The interrupt stopped every rank; a rank freed from a collective by a peer
+                # that stopped first fails with gloo's "connection closed" instead of a
+                # KeyboardInterrupt. Only an error raised before the interrupt, outside a
+                # collective, is the cell's own.
+                if f.collective is not None or f.time >= interrupt_sent - 0.05:
+                    f.interrupted = True
         if not failures:
             error = None
         elif timed_out:

@@ -283,3 +283,33 @@ weights = torch.cat([p.detach().flatten() for p in net.parameters()])
     assert kernel.value("torch.equal(*jupyter_scale.get_session().gather('weights'))") is True
     assert kernel.value("torch.equal(torch.cat([p.detach().flatten() for p in net.parameters()]), "
                         "jupyter_scale.get_session().gather('weights')[0])") is True
+
+
+def test_an_interrupt_while_a_rank_waits_in_a_collective_is_a_keyboard_interrupt(kernel):
+    # Rank 1 spends its time in all_reduce waiting for rank 0, so the interrupt frees it
+    # with gloo's "connection closed" (rank 0 stopped first): still the user's interrupt,
+    # not an error of rank 1.
+    import threading
+
+    for _ in range(2):
+        timer = threading.Timer(1.5, kernel.manager.interrupt_kernel)
+
+        def on_stream(name, text):
+            if "[rank 0] looping" in text and not timer.is_alive() and not timer.finished.is_set():
+                timer.start()
+
+        try:
+            out = kernel.cell("""%%distribute
+import time
+t = torch.ones(1)
+print("looping", flush=True)
+for _ in range(10_000):
+    if rank == 0:
+        time.sleep(0.2)
+    dist.all_reduce(t)
+""", timeout=90, on_stream=on_stream)
+        finally:
+            timer.cancel()
+        assert out.error is not None and out.error["ename"] == "KeyboardInterrupt", out.error_text
+        assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
+    assert "[rank 1] fine" in kernel.ok("%%distribute\ndist.barrier()\nprint('fine')").stdout
