@@ -385,30 +385,48 @@ def broadcast_buffers(namespace: dict) -> list[str]:
     buffers from its own shard during the cell; at the end of the cell rank 0's win, so
     the ranks (and the model pulled back into the notebook) hold the same values.
     """
-    return _broadcast_modules(namespace, lambda module: list(module.named_buffers()))
+    def buffers(value) -> list:
+        module = _module_of(value)
+        return list(module.named_buffers()) if module is not None else []
+
+    return _broadcast_from_rank0(namespace, buffers)
 
 
-def resync_modules(namespace: dict) -> list[str]:
-    """Give every rank rank 0's parameters and buffers, for the models in the namespace.
+def resync(namespace: dict) -> list[str]:
+    """Give every rank rank 0's models (parameters, buffers) and optimizer states.
 
     After a failed or interrupted cell the ranks may stand a step apart (one applied an
     optimizer step the other never reached); automatic mode runs this before the next
-    cell so that training goes on from equal weights, as DDP's re-wrap does for DDP models.
+    cell so that training goes on from equal states, as DDP's re-wrap does for DDP weights.
     """
-    return _broadcast_modules(namespace, lambda module: [*module.named_parameters(), *module.named_buffers()])
+    def state(value) -> list:
+        module = _module_of(value)
+        if module is not None:
+            return [*module.named_parameters(), *module.named_buffers()]
+        if isinstance(value, torch.optim.Optimizer):
+            params = [p for group in value.param_groups for p in group["params"]]
+            return [(f"{i}.{key}", v) for i, p in enumerate(params)
+                    for key, v in sorted(value.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+        return []
+
+    return _broadcast_from_rank0(namespace, state)
 
 
-def _broadcast_modules(namespace: dict, tensors_of) -> list[str]:
-    """Broadcast rank 0's `tensors_of(module)` for the namespace's modules; only modules that
-    every rank holds under the same name with the same tensor names, shapes and dtypes (a
-    collective needs the same calls on every rank). Returns their names."""
+def _module_of(value) -> torch.nn.Module | None:
+    if isinstance(value, DistributedDataParallel):
+        value = value.module
+    return value if isinstance(value, torch.nn.Module) else None
+
+
+def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
+    """Broadcast rank 0's `tensors_of(value)` (named tensors) for the namespace's values.
+
+    Only names that every rank holds with the same tensor names, shapes and dtypes take
+    part (a collective needs the same calls on every rank). Returns those names.
+    """
     mine: dict[str, list[torch.Tensor]] = {}
     signatures: dict[str, list] = {}
     for name, value in namespace.items():
-        if isinstance(value, DistributedDataParallel):
-            value = value.module
-        if not isinstance(value, torch.nn.Module):
-            continue
         named = tensors_of(value)
         if named:
             mine[name] = [t for _, t in named]

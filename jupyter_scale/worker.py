@@ -87,6 +87,22 @@ def _interruptible_sleep(seconds: float) -> None:
     _interrupted.wait(seconds)
 
 
+def _sigint_in_cell(signum, frame) -> None:
+    """SIGINT handler of a worker that runs cells in its main thread (ipyparallel engines).
+
+    A KeyboardInterrupt is raised only inside the cell's code. The kernel may interrupt a
+    rank just as its cell ends: raised while the engine packs the reply, it would turn a
+    clean answer into an engine error, and the rank would count as lost.
+    """
+    if _state.cell_thread == threading.get_ident():
+        raise KeyboardInterrupt
+
+
+def _gate_sigint() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _sigint_in_cell)
+
+
 def _cell_may_be_interrupted(yes: bool) -> None:
     with _interrupt_lock:
         if yes:
@@ -136,6 +152,15 @@ def watch_parent(pid: int, create_time: float, reap: list | tuple = ()) -> bool:
                     os.kill(helper_pid, signal.SIGTERM)
                 except OSError:  # gone meanwhile
                     pass
+        # This worker's own children go with it (ipyparallel's engine nanny, which would
+        # linger for seconds, and DataLoader workers of a running cell).
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.terminate()
+            except psutil.Error:
+                pass
         os._exit(1)
 
     _parent_watch = threading.Thread(target=run, name="jupyter_scale-parent-watch", daemon=True)
@@ -366,6 +391,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     received = False
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
+    _gate_sigint()  # the engine restores its own handler once it has sent the reply
     sink = _connect_events(request.get("events"))
     _state.collective = _state.failed_in = None
     if sink is not None:
@@ -383,7 +409,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             _state.namespace.update(shipped)
             received = True
             if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
-                training.resync_modules(_state.namespace)
+                training.resync(_state.namespace)
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")

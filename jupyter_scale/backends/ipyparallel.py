@@ -254,8 +254,10 @@ class IPyParallelBackend(Backend):
                 client.shutdown(targets="all", hub=False, block=False)
             except Exception:  # a dead engine cannot answer; stop_cluster below still reaps
                 log.debug("engine shutdown request failed", exc_info=True)
-            client.close()
+            # Close the client only once the engines are gone: closing it at once drops the
+            # queued shutdown request, and every stop then waited out the 5 s below.
             psutil.wait_procs(engines, timeout=5)
+            client.close()
         if cluster is not None:
             cluster.stop_cluster_sync()
 
