@@ -47,8 +47,12 @@ def history(as_frame: bool = False):
 
 def load_ipython_extension(ip) -> None:
     from .magics import ScaleMagics
+    from .sidebar import SidebarChannel
 
-    ip.register_magics(ScaleMagics(ip, get_session()))
+    session = get_session()
+    ip.register_magics(ScaleMagics(ip, session))
+    if not any(isinstance(o, SidebarChannel) for o in session.observers):
+        SidebarChannel(session).register(ip)  # the JupyterLab sidebar, where a frontend is attached
     # So the same cell also runs without %%distribute: `report` records locally there.
     ip.user_ns.setdefault("report", report)
 

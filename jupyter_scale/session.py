@@ -136,6 +136,20 @@ class ScaleSession(LoggingConfigurable):
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
         # of starting one; restarts re-attach, stop() forgets it.
         self.connection: tuple[str, dict] | None = None
+        # Objects told of runs and cluster changes (the JupyterLab sidebar's channel): any of
+        # run_started(record, total_steps), event(event), tick(), run_finished(record),
+        # cluster_changed().
+        self.observers: list[Any] = []
+
+    def _notify(self, what: str, *args: Any) -> None:
+        for observer in list(self.observers):
+            handler = getattr(observer, what, None)
+            if handler is None:
+                continue
+            try:
+                handler(*args)
+            except Exception:  # a display must never break a run
+                log.warning("observer %r failed in %s", observer, what, exc_info=True)
 
     # ------------------------------------------------------------------------------
     # Cluster
@@ -179,6 +193,7 @@ class ScaleSession(LoggingConfigurable):
             raise
         print(f"jupyter_scale: {backend.size} workers ready ({self.group['backend']}) in "
               f"{time.monotonic() - started:.1f} s", flush=True)
+        self._notify("cluster_changed")
 
     def _tie_workers_to_kernel(self, backend: Backend) -> None:
         """Workers we started exit when this process dies, even by SIGKILL (no orphans)."""
@@ -232,6 +247,7 @@ class ScaleSession(LoggingConfigurable):
         """Stop the embedded cluster (every process it started), or disconnect from a connected one."""
         self._shutdown()
         self.connection = None
+        self._notify("cluster_changed")
 
     def _shutdown(self) -> None:
         backend, self.backend = self.backend, None
@@ -373,6 +389,7 @@ class ScaleSession(LoggingConfigurable):
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
         }
         view = _RunView(self, record, steps)
+        self._notify("run_started", record, steps)
         job = self.backend.submit(worker.run_cell, request, *shipment.frames)
         try:
             headers, frames_back, error, lost = self._wait(job, record, timeout, view)
@@ -380,6 +397,7 @@ class ScaleSession(LoggingConfigurable):
             record.status, record.error = "failed", str(exc)
             self.shipper.discard()
             view.finish(record)
+            self._notify("run_finished", record)
             raise
         finally:
             job.release()
@@ -402,6 +420,7 @@ class ScaleSession(LoggingConfigurable):
                              else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
             record.error = str(error)
             view.finish(record)
+            self._notify("run_finished", record)
             if record.status == "interrupted" and self._user_interrupted:
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
                                         "and are ready for the next cell")
@@ -409,6 +428,7 @@ class ScaleSession(LoggingConfigurable):
         record.status = "finished"
         self._resync = self._resync and manual  # an automatic cell equalized the models
         view.finish(record)
+        self._notify("run_finished", record)
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
         return record
 
@@ -420,6 +440,7 @@ class ScaleSession(LoggingConfigurable):
     def _take_events(self, record: RunRecord, view: "_RunView") -> None:
         for event in self.events.drain() if self.events is not None else ():
             kind = event.get("kind")
+            self._notify("event", event)
             if kind == "heartbeat":
                 self._beats[event["rank"]] = event
                 continue
@@ -498,6 +519,7 @@ class ScaleSession(LoggingConfigurable):
                 self._emit(job.new_output(), labeler)
                 self._take_events(record, view)
                 view.tick()
+                self._notify("tick")
                 for rank in job.ranks:
                     if rank in headers or rank in lost or not job.done(rank):
                         continue

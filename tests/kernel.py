@@ -16,6 +16,7 @@ class CellResult:
     error: dict | None = None  # ename, evalue, traceback
     result: str | None = None  # text/plain of the execute_result
     displays: list = field(default_factory=list)
+    comms: list = field(default_factory=list)  # comm_open / comm_msg / comm_close contents, in order
 
     @property
     def ok(self) -> bool:
@@ -49,9 +50,28 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def cell(self, code: str, timeout: float = 180, on_stream=None) -> CellResult:
-        """Run `code`; `on_stream(name, text)` is called for each output as it arrives."""
+    def cell(self, code: str, timeout: float = 180, on_stream=None, on_comm=None) -> CellResult:
+        """Run `code`; `on_stream(name, text)` is called for each output as it arrives,
+        `on_comm(msg_type, content)` for each comm message."""
         msg_id = self.client.execute(code, store_history=False)
+        return self._collect(msg_id, code, timeout, on_stream, on_comm)
+
+    def comm_open(self, target: str, data: dict | None = None, timeout: float = 60) -> tuple[str, CellResult]:
+        """Open a comm to `target` as a frontend does; the comm id and what the kernel answered."""
+        import uuid
+
+        comm_id = uuid.uuid4().hex
+        msg = self.client.session.msg("comm_open", {"comm_id": comm_id, "target_name": target, "data": data or {}})
+        self.client.shell_channel.send(msg)
+        return comm_id, self._collect(msg["header"]["msg_id"], f"comm_open {target}", timeout)
+
+    def comm_send(self, comm_id: str, data: dict, timeout: float = 120) -> CellResult:
+        """Send a comm message as a frontend does; what the kernel answered while handling it."""
+        msg = self.client.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        self.client.shell_channel.send(msg)
+        return self._collect(msg["header"]["msg_id"], f"comm_msg {data}", timeout)
+
+    def _collect(self, msg_id: str, code: str, timeout: float, on_stream=None, on_comm=None) -> CellResult:
         out = CellResult()
         deadline = time.monotonic() + timeout
         while True:
@@ -79,6 +99,10 @@ class Kernel:
                 out.result = content["data"].get("text/plain")
             elif kind in ("display_data", "update_display_data"):
                 out.displays.append(content["data"])
+            elif kind in ("comm_open", "comm_msg", "comm_close"):
+                out.comms.append(dict(content, msg_type=kind))
+                if on_comm is not None:
+                    on_comm(kind, content)
             elif kind == "status" and content["execution_state"] == "idle":
                 return out
 

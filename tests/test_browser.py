@@ -117,3 +117,57 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
             page.locator(".jupyter-scale").first.screenshot(path=str(SCREENSHOTS / "dashboard.png"))
         finally:
             browser.close()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
+def test_sidebar_follows_the_job_reattaches_after_reload_and_stops_the_cluster(lab):
+    from playwright.sync_api import sync_playwright
+
+    url, token, server = lab
+    SCREENSHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"{url}/lab/tree/dash.ipynb?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
+            sidebar = page.locator("#jupyter-scale-sidebar")
+            sidebar.locator("[data-link='not-loaded']").wait_for(timeout=60_000)  # before %load_ext
+            run_all_cells(page)
+            try:
+                sidebar.locator(".jp-ScalePanel-jobState[data-state='finished']").wait_for(timeout=90_000)
+            except Exception:
+                page.screenshot(path=str(SCREENSHOTS / "sidebar-failure.png"))
+                raise
+            rows = sidebar.locator("tr[data-rank]")
+            assert rows.count() == 2
+            assert "#1 finished · 100%" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
+            assert sidebar.locator(".jp-ScalePanel-chart polyline").count() == 3  # rank 0, rank 1, mean
+            assert "ipyparallel · 2 workers" in sidebar.locator(".jp-ScalePanel-summary").inner_text()
+            assert page.locator(".jp-ScaleStatus").inner_text().startswith("Scale: 2 workers")
+            # The sidebar and the cell's dashboard show the same worker processes.
+            listed = [sidebar.locator("tr[data-rank]").nth(i).locator("td").nth(2).inner_text() for i in range(2)]
+            dashboard = page.locator(".jupyter-scale .js-workers tr[data-rank]")
+            assert [dashboard.nth(i).locator("td").nth(2).inner_text() for i in range(2)] == listed
+            page.screenshot(path=str(SCREENSHOTS / "sidebar.png"))
+            sidebar.screenshot(path=str(SCREENSHOTS / "sidebar-panel.png"))
+
+            # A page reload attaches again to the running kernel and its cluster.
+            page.reload()
+            sidebar = page.locator("#jupyter-scale-sidebar")
+            if not sidebar.is_visible():
+                page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
+            sidebar.locator("tr[data-rank]").nth(1).wait_for(timeout=60_000)
+            pids = [int(sidebar.locator("tr[data-rank]").nth(i).locator("td").nth(2).inner_text())
+                    for i in range(2)]
+            kernel = next(c for c in psutil.Process(server.pid).children() if "ipykernel" in " ".join(c.cmdline()))
+            workers = [psutil.Process(pid) for pid in pids]
+            assert set(pids) <= {c.pid for c in kernel.children(recursive=True)}
+
+            sidebar.locator("button[data-action='stop']").click()
+            sidebar.locator(".jp-ScalePanel-cluster[data-running='false']").wait_for(timeout=60_000)
+            assert wait_gone(workers, timeout=30) == []  # kernel side: the workers are gone
+            assert sidebar.locator("tr[data-rank]").count() == 0
+        finally:
+            browser.close()

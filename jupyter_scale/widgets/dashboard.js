@@ -2,7 +2,11 @@
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
 const SVG = "http://www.w3.org/2000/svg";
 
-function fmt(x) { return typeof x === "number" ? Number(x.toPrecision(4)).toString() : (x ?? ""); }
+// Whole numbers (pids, steps) exactly; measurements to 4 significant digits.
+function fmt(x) {
+  if (typeof x !== "number") return x ?? "";
+  return Number.isInteger(x) ? x.toString() : Number(x.toPrecision(4)).toString();
+}
 
 function chart(svg, series, metric) {
   svg.replaceChildren();

@@ -1,0 +1,195 @@
+"""The kernel's end of the JupyterLab sidebar: a comm target named `jupyter_scale`.
+
+The sidebar (labextension/) opens a comm to this target when it attaches to a notebook's
+kernel (also after a page reload), and the kernel opens one to the frontend when
+`%load_ext jupyter_scale` runs, so a sidebar that was already open learns of it. Over it:
+
+kernel -> sidebar   {"type": "state", "cluster": {...}, "ranks": [...], "job": {...} | None}
+                    on open, after every action, and while a cell runs at most every 0.25 s;
+                    {"type": "error", "message": "..."} when an action failed.
+sidebar -> kernel   {"action": "refresh" | "start" | "stop" | "restart" | "resize", "workers": N}
+
+Actions arrive on the kernel's shell channel, so they run between cells; interrupting a
+running job is the kernel's own interrupt (the sidebar calls it), which %%distribute passes
+to every rank. The state is built from the same event stream as the cell's dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ._version import __version__
+from .errors import DistributeError
+from .widgets import DashboardFeed
+
+log = logging.getLogger(__name__)
+
+COMM_TARGET = "jupyter_scale"
+PUSH_INTERVAL = 0.25  # seconds between state messages while a cell runs
+
+
+class SidebarChannel:
+    """Session observer that keeps every attached sidebar up to date."""
+
+    def __init__(self, session: Any):
+        self.session = session
+        self.comms: dict[str, Any] = {}
+        self.feed: DashboardFeed | None = None
+        self.record: Any = None  # the RunRecord of the current or last job
+        self._pushed_at = 0.0
+        session.observers.append(self)
+
+    # -- comms ---------------------------------------------------------------------
+    def register(self, shell: Any) -> bool:
+        """Register the comm target in `shell`'s kernel and greet an open sidebar.
+        False where there is no kernel (plain IPython, scripts): nothing to attach to."""
+        if getattr(shell, "kernel", None) is None:
+            return False
+        from comm import create_comm, get_comm_manager
+
+        get_comm_manager().register_target(COMM_TARGET, self._on_open)
+        comm = create_comm(target_name=COMM_TARGET, data=self.state())
+        self._attach(comm)
+        return True
+
+    def _on_open(self, comm: Any, open_msg: dict) -> None:
+        self._attach(comm)
+        comm.send(self.state())
+
+    def _attach(self, comm: Any) -> None:
+        self.comms[comm.comm_id] = comm
+        comm.on_msg(lambda msg, comm=comm: self._on_msg(comm, msg))
+        comm.on_close(lambda msg, comm_id=comm.comm_id: self.comms.pop(comm_id, None))
+
+    def _on_msg(self, comm: Any, msg: dict) -> None:
+        data = msg.get("content", {}).get("data", {}) or {}
+        action = data.get("action")
+        try:
+            self.act(action, data.get("workers"))
+        except (DistributeError, ValueError) as exc:  # the answer goes to the sidebar that asked
+            comm.send({"type": "error", "message": f"{action}: {exc}"})
+        except Exception as exc:  # a sidebar button must never leave the user without an answer
+            log.exception("sidebar action %s failed", action)
+            comm.send({"type": "error", "message": f"{action}: {type(exc).__name__}: {exc}"})
+        self.push(force=True)
+
+    def act(self, action: str | None, workers: Any = None) -> None:
+        """What a sidebar button does (between cells)."""
+        n = None if workers is None else int(workers)
+        if n is not None and n < 1:
+            raise ValueError(f"workers must be at least 1, not {n}")
+        session = self.session
+        if action == "refresh":
+            return
+        if action == "start":
+            session.start(n)
+        elif action == "stop":
+            session.stop()
+        elif action == "restart":
+            session.restart(n)
+        elif action == "resize":
+            if n is None:
+                raise ValueError("resize needs a number of workers")
+            session.restart(n) if session.running else session.start(n)
+        else:
+            raise ValueError(f"unknown action {action!r}")
+
+    def broadcast(self, message: dict) -> None:
+        for comm_id, comm in list(self.comms.items()):
+            try:
+                comm.send(message)
+            except Exception:  # a closed frontend: forget it
+                log.debug("sidebar comm %s failed", comm_id, exc_info=True)
+                self.comms.pop(comm_id, None)
+
+    def push(self, force: bool = False) -> None:
+        if not self.comms:
+            return
+        now = time.monotonic()
+        if force or now - self._pushed_at >= PUSH_INTERVAL:
+            self._pushed_at = now
+            self.broadcast(self.state())
+
+    # -- session observer ----------------------------------------------------------
+    def run_started(self, record: Any, total_steps: int | None) -> None:
+        self.record = record
+        self.feed = DashboardFeed(record.workers, total_steps)
+        self.push(force=True)
+
+    def event(self, event: dict) -> None:
+        if self.feed is not None and event.get("kind") != "heartbeat":
+            self.feed.add(event)
+
+    def tick(self) -> None:
+        self.push()
+
+    def run_finished(self, record: Any) -> None:
+        if self.feed is not None:
+            self.feed.finish(record.status, record.error, record.lost_events)
+        self.push(force=True)
+
+    def cluster_changed(self) -> None:
+        self.push(force=True)
+
+    # -- what the sidebar shows ----------------------------------------------------
+    def state(self) -> dict:
+        session = self.session
+        info = session.status()
+        cluster = {
+            "running": info["running"],
+            "engine": info["backend"],
+            "workers": info["workers"],
+            "connected": info["connected"],
+            "addresses": {k: v for k, v in info.items() if isinstance(v, str) and k not in ("backend",)},
+            "group": info.get("group", {}),
+        }
+        return {"type": "state", "version": __version__, "cluster": cluster, "ranks": self._ranks(info),
+                "job": self._job()}
+
+    def _ranks(self, info: dict) -> list[dict]:
+        if not info["running"]:
+            return []
+        running = self.record is not None and self.record.status == "running"
+        lost = set(info.get("lost", []))
+        rows = []
+        now = time.time()
+        for described in info.get("ranks", []):
+            rank = described["rank"]
+            row = {"rank": rank, "pid": described.get("pid"), "host": described.get("hostname"),
+                   "device": described.get("device", ""), "state": "idle"}
+            fed = self.feed.rows.get(rank, {}) if self.feed is not None else {}
+            for key in ("last_step", "steps_per_s", "memory", "epoch"):
+                if key in fed:
+                    row[key] = fed[key]
+            if running:
+                row["state"] = fed.get("state", "starting")
+                beat = self.session._beats.get(rank) or {}
+                if row["state"] == "running" and beat.get("collective"):
+                    row["state"] = "in collective"
+                    row["collective"] = beat["collective"]
+                    row["waiting_s"] = round(now - beat["since"], 1)
+            elif fed.get("state") == "failed":
+                row["state"] = "failed"  # until the next cell
+            if rank in lost:
+                row["state"] = "dead"
+            rows.append(row)
+        return rows
+
+    def _job(self) -> dict | None:
+        record, feed = self.record, self.feed
+        if record is None or feed is None:
+            return None
+        progress = feed.progress()
+        total = progress.get("total")
+        return {
+            "index": record.index,
+            "status": record.status,
+            "error": record.error,
+            "workers": record.workers,
+            "metric": feed.metric,
+            "series": feed.series(),
+            "progress": progress,
+            "fraction": min(1.0, progress["step"] / total) if total else None,
+        }

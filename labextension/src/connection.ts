@@ -1,0 +1,190 @@
+/**
+ * The sidebar's link to the active notebook's kernel: a comm on the target
+ * `jupyter_scale`, which `%load_ext jupyter_scale` registers in the kernel.
+ *
+ * The sidebar opens the comm when it attaches to a kernel (so it re-attaches after a
+ * page reload or when the notebook is reopened); the kernel opens one when the extension
+ * is loaded, for a sidebar that was already showing. Both deliver the same messages.
+ */
+import { ISessionContext } from '@jupyterlab/apputils';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { Kernel, KernelMessage } from '@jupyterlab/services';
+import { ISignal, Signal } from '@lumino/signaling';
+
+export const COMM_TARGET = 'jupyter_scale';
+
+export interface IRank {
+  rank: number;
+  state: string; // idle, starting, running, in collective, finished, failed, stopped, dead
+  pid?: number;
+  host?: string;
+  device?: string;
+  memory?: string;
+  last_step?: number;
+  steps_per_s?: number;
+  collective?: string;
+  waiting_s?: number;
+}
+
+export interface IJob {
+  index: number;
+  status: string; // running, finished, failed, interrupted, timed out
+  error: string;
+  workers: number;
+  metric: string;
+  series: { [name: string]: number[][] };
+  progress: { step: number; total?: number; rate?: number; eta?: number; elapsed?: number; epoch?: number };
+  fraction: number | null;
+}
+
+export interface IScaleState {
+  version: string;
+  cluster: {
+    running: boolean;
+    engine: string;
+    workers: number;
+    connected: boolean;
+    addresses: { [key: string]: string };
+  };
+  ranks: IRank[];
+  job: IJob | null;
+}
+
+/** Where the sidebar stands with the current notebook. */
+export type Link = 'no-notebook' | 'no-kernel' | 'not-loaded' | 'attached';
+
+export class ScaleConnection {
+  constructor(private readonly _tracker: INotebookTracker) {
+    _tracker.currentChanged.connect(this._onNotebook, this);
+    this._onNotebook();
+  }
+
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+  get link(): Link {
+    return this._link;
+  }
+  get state(): IScaleState | null {
+    return this._state;
+  }
+  get error(): string {
+    return this._error;
+  }
+  get notebookName(): string {
+    return this._panel?.title.label ?? '';
+  }
+
+  /** Ask the kernel to act on its cluster (runs between cells). */
+  send(action: string, workers?: number): void {
+    this._error = '';
+    if (!this._comm || this._comm.isDisposed) {
+      this._error = 'jupyter_scale is not loaded in this kernel';
+      this._changed.emit();
+      return;
+    }
+    this._comm.send(workers === undefined ? { action } : { action, workers });
+  }
+
+  /** Stop the running job: the kernel's interrupt, which %%distribute passes to every rank. */
+  async interrupt(): Promise<void> {
+    await this._panel?.sessionContext.session?.kernel?.interrupt();
+  }
+
+  private _onNotebook(): void {
+    if (this._panel) {
+      this._panel.sessionContext.kernelChanged.disconnect(this._onKernel, this);
+      this._panel.sessionContext.statusChanged.disconnect(this._onStatus, this);
+    }
+    this._panel = this._tracker.currentWidget;
+    if (this._panel) {
+      this._panel.sessionContext.kernelChanged.connect(this._onKernel, this);
+      this._panel.sessionContext.statusChanged.connect(this._onStatus, this);
+    }
+    this._onKernel();
+  }
+
+  private _onStatus(context: ISessionContext, status: Kernel.Status): void {
+    if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
+      this._detach('not-loaded');
+    }
+  }
+
+  private _onKernel(): void {
+    this._detach(this._panel ? 'no-kernel' : 'no-notebook');
+    const kernel = this._panel?.sessionContext.session?.kernel;
+    if (!kernel) {
+      return;
+    }
+    if (!this._registered.has(kernel)) {
+      this._registered.add(kernel);
+      kernel.registerCommTarget(COMM_TARGET, (comm, msg) => {
+        if (this._panel?.sessionContext.session?.kernel === kernel) {
+          this._adopt(comm, msg.content.data);
+        }
+      });
+    }
+    this._link = 'not-loaded';
+    this._changed.emit();
+    // Attach to a kernel that already loaded jupyter_scale; if it has not, the kernel closes
+    // the comm, and opens one itself when %load_ext runs.
+    const comm = kernel.createComm(COMM_TARGET);
+    this._adopt(comm, null);
+    comm.open({}).done.catch(() => undefined);
+  }
+
+  private _adopt(comm: Kernel.IComm, data: unknown): void {
+    if (this._comm && this._comm !== comm && !this._comm.isDisposed) {
+      this._comm.close();
+    }
+    this._comm = comm;
+    comm.onMsg = (msg: KernelMessage.ICommMsgMsg) => this._receive(comm, msg.content.data);
+    comm.onClose = () => {
+      if (this._comm === comm) {
+        this._comm = null;
+        this._state = null;
+        this._link = this._panel?.sessionContext.session?.kernel ? 'not-loaded' : 'no-kernel';
+        this._changed.emit();
+      }
+    };
+    if (data) {
+      this._receive(comm, data);
+    }
+  }
+
+  private _receive(comm: Kernel.IComm, data: any): void {
+    if (comm !== this._comm || !data) {
+      return;
+    }
+    if (data.type === 'state') {
+      this._state = data as IScaleState;
+      this._link = 'attached';
+    } else if (data.type === 'error') {
+      this._error = String(data.message);
+    }
+    this._changed.emit();
+  }
+
+  private _detach(link: Link): void {
+    if (this._comm && !this._comm.isDisposed) {
+      try {
+        this._comm.close();
+      } catch {
+        // the kernel is gone already
+      }
+    }
+    this._comm = null;
+    this._state = null;
+    this._error = '';
+    this._link = link;
+    this._changed.emit();
+  }
+
+  private _panel: NotebookPanel | null = null;
+  private _comm: Kernel.IComm | null = null;
+  private _state: IScaleState | null = null;
+  private _error = '';
+  private _link: Link = 'no-notebook';
+  private _registered = new WeakSet<Kernel.IKernelConnection>();
+  private _changed = new Signal<this, void>(this);
+}

@@ -1,0 +1,116 @@
+"""The sidebar's kernel end, spoken to as the JupyterLab extension does: comm messages to and
+from a real kernel driving a real cluster (no browser; test_browser.py has the browser)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SETUP, wait_gone
+from kernel import Kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def states(result):
+    """The state messages the kernel sent, in order."""
+    found = []
+    for comm in result.comms:
+        data = comm.get("data") or {}
+        if data.get("type") == "state":
+            found.append(data)
+    return found
+
+
+def errors(result):
+    return [c["data"]["message"] for c in result.comms if (c.get("data") or {}).get("type") == "error"]
+
+
+@pytest.fixture(scope="module")
+def sidebar():
+    """A kernel with jupyter_scale loaded and a comm open to it, as an attached sidebar has."""
+    k = Kernel()
+    loaded = k.ok(SETUP)
+    # Loading the extension greets a sidebar that is already open: the kernel opens a comm.
+    opened = [c for c in loaded.comms if c["msg_type"] == "comm_open"]
+    assert [c["target_name"] for c in opened] == ["jupyter_scale"]
+    assert opened[0]["data"]["type"] == "state" and opened[0]["data"]["cluster"]["running"] is False
+    comm_id, answer = k.comm_open("jupyter_scale")  # a sidebar attaching (e.g. after a page reload)
+    assert states(answer)[-1]["cluster"]["running"] is False
+    yield k, comm_id
+    k.cell("%scale stop", timeout=60)
+    leftovers = k.descendants()
+    k.shutdown()
+    assert wait_gone(leftovers) == []
+
+
+def test_start_from_the_sidebar_lists_every_rank_idle(sidebar):
+    k, comm = sidebar
+    state = states(k.comm_send(comm, {"action": "start", "workers": 2}))[-1]
+    assert state["cluster"]["running"] is True and state["cluster"]["workers"] == 2
+    assert state["cluster"]["engine"] == "ipyparallel" and state["cluster"]["addresses"]
+    ranks = state["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["state"] for r in ranks} == {"idle"}
+    assert {r["pid"] for r in ranks} <= {p.pid for p in k.descendants()}
+    assert all(r["host"] and r["device"] == "cpu" for r in ranks)
+
+
+def test_a_running_job_streams_progress_and_its_curve_then_finishes(sidebar):
+    k, comm = sidebar
+    seen = []
+    out = k.cell("%%distribute --steps 40\nimport time\nfor i in range(40):\n"
+                 "    report(loss=1.0 / (i + 1) + rank)\n    time.sleep(0.05)",
+                 on_comm=lambda kind, content: seen.append(content.get("data", {})))
+    assert out.ok, out.error_text
+    jobs = [s["job"] for s in states(out) if s["job"]]
+    running = [j for j in jobs if j["status"] == "running"]
+    assert len(running) >= 2  # live updates while the cell runs, not only at the end
+    assert any(0 < (j["fraction"] or 0) < 1 for j in running)
+    assert any(r["state"] == "running" for s in states(out) for r in s["ranks"])
+    last = states(out)[-1]
+    assert last["job"]["status"] == "finished" and last["job"]["fraction"] == 1.0
+    assert last["job"]["metric"] == "loss"
+    assert set(last["job"]["series"]) == {"0", "1", "mean"} and len(last["job"]["series"]["0"]) == 40
+    assert [r["state"] for r in last["ranks"]] == ["idle", "idle"]
+    assert all(r["last_step"] == 39 and r["memory"].endswith(" MB") for r in last["ranks"])
+    assert len(json.dumps(last)) < 20_000  # a state message stays small
+
+
+def test_a_rank_waiting_in_a_collective_and_a_failed_rank_are_shown(sidebar):
+    k, comm = sidebar
+    k.ok("jupyter_scale.get_session().heartbeat_interval = 0.3")
+    try:
+        out = k.cell("%%distribute\nimport time\nif rank == 1:\n    time.sleep(2)\n    raise ValueError('bad')\n"
+                     "dist.all_reduce(torch.ones(1))", timeout=120)
+    finally:
+        k.ok("jupyter_scale.get_session().heartbeat_interval = 5.0")
+    assert not out.ok
+    waiting = [r for s in states(out) for r in s["ranks"] if r["state"] == "in collective"]
+    assert waiting and waiting[0]["rank"] == 0 and waiting[0]["collective"] == "all_reduce"
+    last = states(out)[-1]
+    assert last["job"]["status"] == "failed" and "rank 1 failed: ValueError: bad" in last["job"]["error"]
+    assert last["ranks"][1]["state"] == "failed"
+
+
+def test_resize_restart_stop_and_a_bad_action_from_the_sidebar(sidebar):
+    k, comm = sidebar
+    state = states(k.comm_send(comm, {"action": "resize", "workers": 3}))[-1]
+    assert state["cluster"]["workers"] == 3 and len(state["ranks"]) == 3
+    pids = {r["pid"] for r in state["ranks"]}
+    state = states(k.comm_send(comm, {"action": "restart"}))[-1]
+    assert len(state["ranks"]) == 3 and not pids & {r["pid"] for r in state["ranks"]}
+    bad = k.comm_send(comm, {"action": "resize", "workers": 0})
+    assert errors(bad) == ["resize: workers must be at least 1, not 0"]
+    assert errors(k.comm_send(comm, {"action": "explode"})) == ["explode: unknown action 'explode'"]
+    assert states(bad)[-1]["cluster"]["workers"] == 3  # nothing changed
+    started = k.descendants()
+    state = states(k.comm_send(comm, {"action": "stop"}))[-1]
+    assert state["cluster"]["running"] is False and state["ranks"] == []
+    assert wait_gone(started) == [] and k.descendants() == []
+
+
+def test_the_python_and_npm_packages_have_one_version():
+    import jupyter_scale
+
+    package = json.loads((ROOT / "labextension" / "package.json").read_text())
+    assert package["version"] == jupyter_scale.__version__
