@@ -41,6 +41,7 @@ class RunRecord:
     lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)
     status: str = "running"  # running, finished, failed, interrupted, timed out
     error: str = ""
+    failed_rank: int | None = None  # the rank the error blames
     started: float = field(default_factory=time.time)
     elapsed: float = 0.0
 
@@ -418,7 +419,7 @@ class ScaleSession(LoggingConfigurable):
             self._resync = True
             record.status = ("timed out" if isinstance(error, CellTimeout)
                              else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
-            record.error = str(error)
+            record.error, record.failed_rank = str(error), error.rank
             view.finish(record)
             self._notify("run_finished", record)
             if record.status == "interrupted" and self._user_interrupted:

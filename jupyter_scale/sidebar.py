@@ -153,6 +153,8 @@ class SidebarChannel:
             return []
         running = self.record is not None and self.record.status == "running"
         lost = set(info.get("lost", []))
+        if not running:  # between cells: a worker may have died since the last cell
+            lost |= set(self.session.backend.dead_ranks())
         rows = []
         now = time.time()
         for described in info.get("ranks", []):
@@ -160,6 +162,8 @@ class SidebarChannel:
             row = {"rank": rank, "pid": described.get("pid"), "host": described.get("hostname"),
                    "device": described.get("device", ""), "state": "idle"}
             fed = self.feed.rows.get(rank, {}) if self.feed is not None else {}
+            if fed.get("pid") != row["pid"]:  # the job ran on workers since replaced
+                fed = {}
             for key in ("last_step", "steps_per_s", "memory", "epoch"):
                 if key in fed:
                     row[key] = fed[key]
@@ -170,8 +174,8 @@ class SidebarChannel:
                     row["state"] = "in collective"
                     row["collective"] = beat["collective"]
                     row["waiting_s"] = round(now - beat["since"], 1)
-            elif fed.get("state") == "failed":
-                row["state"] = "failed"  # until the next cell
+            elif fed and rank == self.record.failed_rank and self.record.status != "interrupted":
+                row["state"] = "failed"  # the rank the error blames, until the next cell
             if rank in lost:
                 row["state"] = "dead"
             rows.append(row)

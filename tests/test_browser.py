@@ -48,7 +48,9 @@ def lab(tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
-         "--ServerApp.open_browser=False", "--allow-root"],
+         "--ServerApp.open_browser=False", "--allow-root",
+         # A workspace and settings of its own: nothing restored from another test's session.
+         f"--LabApp.workspaces_dir={tmp_path / '.workspaces'}", f"--LabApp.user_settings_dir={tmp_path / '.settings'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -70,6 +72,16 @@ def lab(tmp_path):
     for p in still:
         p.kill()
     assert not still, f"left behind: {still}"
+
+
+def dismiss_news_prompt(page) -> None:
+    """JupyterLab asks whether to fetch its news; answer no (it covers the screenshots)."""
+    no = page.locator(".Toastify__toast button", has_text="No")
+    try:
+        no.first.click(timeout=2_000)
+        page.locator(".Toastify__toast").first.wait_for(state="detached", timeout=5_000)
+    except Exception:  # not asked this time
+        pass
 
 
 def run_all_cells(page, attempts: int = 4) -> None:
@@ -119,17 +131,25 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
             browser.close()
 
 
+LONG_JOB = ("%%distribute\nimport time\nfor i in range(3000):\n"
+            "    report(loss=1.0 / (i + 1) + 0.1 * rank)\n    time.sleep(0.05)")
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
-def test_sidebar_follows_the_job_reattaches_after_reload_and_stops_the_cluster(lab):
+def test_sidebar_follows_the_job_interrupts_reattaches_after_reload_and_stops_the_cluster(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, token, server = lab
+    notebook = json.loads(json.dumps(NOTEBOOK))
+    notebook["cells"].append({"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                              "source": LONG_JOB})
+    (tmp_path / "sidebar.ipynb").write_text(json.dumps(notebook))
     SCREENSHOTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(f"{url}/lab/tree/dash.ipynb?token={token}")
+            page.goto(f"{url}/lab/tree/sidebar.ipynb?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
             sidebar = page.locator("#jupyter-scale-sidebar")
@@ -147,11 +167,25 @@ def test_sidebar_follows_the_job_reattaches_after_reload_and_stops_the_cluster(l
             assert "ipyparallel · 2 workers" in sidebar.locator(".jp-ScalePanel-summary").inner_text()
             assert page.locator(".jp-ScaleStatus").inner_text().startswith("Scale: 2 workers")
             # The sidebar and the cell's dashboard show the same worker processes.
-            listed = [sidebar.locator("tr[data-rank]").nth(i).locator("td").nth(2).inner_text() for i in range(2)]
+            listed = [sidebar.locator("tr[data-rank]").nth(i).locator("td[data-column='pid']").inner_text()
+                      for i in range(2)]
             dashboard = page.locator(".jupyter-scale .js-workers tr[data-rank]")
             assert [dashboard.nth(i).locator("td").nth(2).inner_text() for i in range(2)] == listed
+            dismiss_news_prompt(page)
             page.screenshot(path=str(SCREENSHOTS / "sidebar.png"))
             sidebar.screenshot(path=str(SCREENSHOTS / "sidebar-panel.png"))
+
+            # The third cell runs a long job; the sidebar's Interrupt stops it on every rank.
+            page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+            sidebar.locator(".jp-ScalePanel-jobState[data-state='running']").wait_for(timeout=60_000)
+            sidebar.locator("tr[data-rank][data-state='running']").nth(1).wait_for(timeout=30_000)
+            sidebar.locator("button[data-action='interrupt']").click()
+            sidebar.locator(".jp-ScalePanel-jobState[data-state='interrupted']").wait_for(timeout=60_000)
+            assert "#2 interrupted" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
+            assert [sidebar.locator("tr[data-rank]").nth(i).get_attribute("data-state") for i in range(2)] == \
+                ["idle", "idle"]  # stopped, and ready for the next cell
+            page.locator(".jp-Cell .jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
 
             # A page reload attaches again to the running kernel and its cluster.
             page.reload()
@@ -159,7 +193,7 @@ def test_sidebar_follows_the_job_reattaches_after_reload_and_stops_the_cluster(l
             if not sidebar.is_visible():
                 page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
             sidebar.locator("tr[data-rank]").nth(1).wait_for(timeout=60_000)
-            pids = [int(sidebar.locator("tr[data-rank]").nth(i).locator("td").nth(2).inner_text())
+            pids = [int(sidebar.locator("tr[data-rank]").nth(i).locator("td[data-column='pid']").inner_text())
                     for i in range(2)]
             kernel = next(c for c in psutil.Process(server.pid).children() if "ipykernel" in " ".join(c.cmdline()))
             workers = [psutil.Process(pid) for pid in pids]

@@ -89,7 +89,27 @@ def test_a_rank_waiting_in_a_collective_and_a_failed_rank_are_shown(sidebar):
     assert waiting and waiting[0]["rank"] == 0 and waiting[0]["collective"] == "all_reduce"
     last = states(out)[-1]
     assert last["job"]["status"] == "failed" and "rank 1 failed: ValueError: bad" in last["job"]["error"]
-    assert last["ranks"][1]["state"] == "failed"
+    assert [r["state"] for r in last["ranks"]] == ["idle", "failed"]  # rank 0 was only stopped
+
+
+def test_a_worker_that_died_between_cells_is_shown_dead(sidebar):
+    import time
+
+    import psutil
+
+    k, comm = sidebar
+    pid = states(k.comm_send(comm, {"action": "refresh"}))[-1]["ranks"][1]["pid"]
+    psutil.Process(pid).kill()
+    deadline = time.monotonic() + 30  # the engine notices within a few heartbeats
+    while True:
+        ranks = states(k.comm_send(comm, {"action": "refresh"}))[-1]["ranks"]
+        if ranks[1]["state"] == "dead":
+            break
+        assert time.monotonic() < deadline, ranks
+        time.sleep(0.5)
+    assert ranks[0]["state"] == "idle"
+    state = states(k.comm_send(comm, {"action": "restart"}))[-1]
+    assert [r["state"] for r in state["ranks"]] == ["idle", "idle"]
 
 
 def test_resize_restart_stop_and_a_bad_action_from_the_sidebar(sidebar):

@@ -97,15 +97,34 @@ export class ScalePanel extends Widget {
   }
 
   private _ranks(ranks: IRank[]): HTMLElement {
-    const head = el('tr', {}, ...['rank', 'state', 'pid', 'host', 'device', 'memory', 'step'].map(h => el('th', {}, h)));
-    const rows = ranks.map(r => {
-      const state = r.collective ? `in ${r.collective} ${r.waiting_s ?? 0}s` : r.state;
-      return el('tr', { 'data-rank': String(r.rank), 'data-state': r.state },
-        ...[String(r.rank), state, String(r.pid ?? ''), r.host ?? '', r.device ?? '', r.memory ?? '',
-          r.last_step === undefined ? '' : String(r.last_step + 1)].map(v => el('td', {}, v)));
-    });
+    // Narrow enough for the sidebar: the host and the device go into the heading when every
+    // rank shares them, else into columns of their own.
+    const shared = (key: 'host' | 'device') => {
+      const values = [...new Set(ranks.map(r => r[key] ?? ''))];
+      return values.length === 1 ? values[0] : null;
+    };
+    const host = shared('host'), device = shared('device');
+    const columns: [string, (r: IRank) => string][] = [
+      ['rank', r => String(r.rank)],
+      ['state', r => (r.collective ? `in ${r.collective} ${r.waiting_s ?? 0}s` : r.state)],
+      ['pid', r => String(r.pid ?? '')]
+    ];
+    if (host === null) {
+      columns.push(['host', r => r.host ?? '']);
+    }
+    if (device === null) {
+      columns.push(['device', r => r.device ?? '']);
+    }
+    columns.push(['mem', r => r.memory ?? ''], ['step', r => (r.last_step === undefined ? '' : String(r.last_step + 1))]);
+    const head = el('tr', {}, ...columns.map(([name]) => el('th', {}, name)));
+    const rows = ranks.map(r =>
+      el('tr', { 'data-rank': String(r.rank), 'data-state': r.state, 'data-host': r.host ?? '' },
+        ...columns.map(([name, value]) => el('td', { 'data-column': name }, value(r))))
+    );
+    const where = [host, device].filter(v => v).join(' · ');
     return el('section', { class: 'jp-ScalePanel-ranks' },
-      el('h3', {}, `Ranks (${ranks.length})`), el('table', {}, el('thead', {}, head), el('tbody', {}, ...rows)));
+      el('h3', {}, `Ranks (${ranks.length})${where ? ` on ${where}` : ''}`),
+      el('table', {}, el('thead', {}, head), el('tbody', {}, ...rows)));
   }
 
   private _job(job: IJob | null): HTMLElement {
