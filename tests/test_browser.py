@@ -3,6 +3,7 @@
 The screenshot is saved as tests/screenshots/dashboard.png (not committed).
 """
 
+import contextlib
 import json
 import shutil
 import socket
@@ -74,6 +75,24 @@ def lab(tmp_path):
     assert not still, f"left behind: {still}"
 
 
+@contextlib.contextmanager
+def notebook_page(lab, name: str, width: int = 1200):
+    """Headless Chromium showing notebook `name` of the `lab` server, cells on screen."""
+    from playwright.sync_api import sync_playwright
+
+    url, token, _ = lab
+    SCREENSHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": 900})
+            page.goto(f"{url}/lab/tree/{name}?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            yield page
+        finally:
+            browser.close()
+
+
 def dismiss_news_prompt(page) -> None:
     """JupyterLab asks whether to fetch its news; answer no (it covers the screenshots)."""
     no = page.locator(".Toastify__toast button", has_text="No")
@@ -102,33 +121,22 @@ def run_all_cells(page, attempts: int = 4) -> None:
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
 def test_dashboard_shows_both_ranks_and_finishes(lab):
-    from playwright.sync_api import sync_playwright
-
-    url, token, _ = lab
-    SCREENSHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    with notebook_page(lab, "dash.ipynb") as page:
+        run_all_cells(page)
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(f"{url}/lab/tree/dash.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            run_all_cells(page)
-            try:
-                state = page.wait_for_selector(".jupyter-scale .js-state[data-state='finished']", timeout=90_000)
-            except Exception:
-                page.screenshot(path=str(SCREENSHOTS / "failure.png"))
-                raise
-            assert state.inner_text() == "finished"
-            chart = page.locator(".jupyter-scale .js-chart")
-            assert chart.locator("polyline[data-series='rank 0']").count() == 1
-            assert chart.locator("polyline[data-series='rank 1']").count() == 1
-            rows = page.locator(".jupyter-scale .js-workers tr[data-rank]")
-            assert rows.count() == 2
-            assert all("finished" in rows.nth(i).inner_text() for i in range(2))
-            assert all(" MB" in rows.nth(i).inner_text() for i in range(2))  # memory column
-            page.locator(".jupyter-scale").first.screenshot(path=str(SCREENSHOTS / "dashboard.png"))
-        finally:
-            browser.close()
+            state = page.wait_for_selector(".jupyter-scale .js-state[data-state='finished']", timeout=90_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOTS / "failure.png"))
+            raise
+        assert state.inner_text() == "finished"
+        chart = page.locator(".jupyter-scale .js-chart")
+        assert chart.locator("polyline[data-series='rank 0']").count() == 1
+        assert chart.locator("polyline[data-series='rank 1']").count() == 1
+        rows = page.locator(".jupyter-scale .js-workers tr[data-rank]")
+        assert rows.count() == 2
+        assert all("finished" in rows.nth(i).inner_text() for i in range(2))
+        assert all(" MB" in rows.nth(i).inner_text() for i in range(2))  # memory column
+        page.locator(".jupyter-scale").first.screenshot(path=str(SCREENSHOTS / "dashboard.png"))
 
 
 LONG_JOB = ("%%distribute\nimport time\nfor i in range(3000):\n"
@@ -137,71 +145,61 @@ LONG_JOB = ("%%distribute\nimport time\nfor i in range(3000):\n"
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
 def test_sidebar_follows_the_job_interrupts_reattaches_after_reload_and_stops_the_cluster(lab, tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    url, token, server = lab
+    server = lab[2]
     notebook = json.loads(json.dumps(NOTEBOOK))
     notebook["cells"].append({"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
                               "source": LONG_JOB})
     (tmp_path / "sidebar.ipynb").write_text(json.dumps(notebook))
-    SCREENSHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    with notebook_page(lab, "sidebar.ipynb", width=1400) as page:
+        page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
+        sidebar = page.locator("#jupyter-scale-sidebar")
+        sidebar.locator("[data-link='not-loaded']").wait_for(timeout=60_000)  # before %load_ext
+        run_all_cells(page)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(f"{url}/lab/tree/sidebar.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            sidebar.locator(".jp-ScalePanel-jobState[data-state='finished']").wait_for(timeout=90_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOTS / "sidebar-failure.png"))
+            raise
+        rows = sidebar.locator("tr[data-rank]")
+        assert rows.count() == 2
+        assert "#1 finished · 100%" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
+        assert sidebar.locator(".jp-ScalePanel-chart polyline").count() == 3  # rank 0, rank 1, mean
+        assert "ipyparallel · 2 workers" in sidebar.locator(".jp-ScalePanel-summary").inner_text()
+        assert page.locator(".jp-ScaleStatus").inner_text().startswith("Scale: 2 workers")
+        # The sidebar and the cell's dashboard show the same worker processes.
+        listed = [sidebar.locator("tr[data-rank]").nth(i).locator("td[data-column='pid']").inner_text()
+                  for i in range(2)]
+        dashboard = page.locator(".jupyter-scale .js-workers tr[data-rank]")
+        assert [dashboard.nth(i).locator("td").nth(2).inner_text() for i in range(2)] == listed
+        dismiss_news_prompt(page)
+        page.screenshot(path=str(SCREENSHOTS / "sidebar.png"))
+        sidebar.screenshot(path=str(SCREENSHOTS / "sidebar-panel.png"))
+
+        # The third cell runs a long job; the sidebar's Interrupt stops it on every rank.
+        page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        sidebar.locator(".jp-ScalePanel-jobState[data-state='running']").wait_for(timeout=60_000)
+        sidebar.locator("tr[data-rank][data-state='running']").nth(1).wait_for(timeout=30_000)
+        sidebar.locator("button[data-action='interrupt']").click()
+        sidebar.locator(".jp-ScalePanel-jobState[data-state='interrupted']").wait_for(timeout=60_000)
+        assert "#2 interrupted" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
+        assert [sidebar.locator("tr[data-rank]").nth(i).get_attribute("data-state") for i in range(2)] == \
+            ["idle", "idle"]  # stopped, and ready for the next cell
+        page.locator(".jp-Cell .jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
+
+        # A page reload attaches again to the running kernel and its cluster.
+        page.reload()
+        sidebar = page.locator("#jupyter-scale-sidebar")
+        if not sidebar.is_visible():
             page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
-            sidebar = page.locator("#jupyter-scale-sidebar")
-            sidebar.locator("[data-link='not-loaded']").wait_for(timeout=60_000)  # before %load_ext
-            run_all_cells(page)
-            try:
-                sidebar.locator(".jp-ScalePanel-jobState[data-state='finished']").wait_for(timeout=90_000)
-            except Exception:
-                page.screenshot(path=str(SCREENSHOTS / "sidebar-failure.png"))
-                raise
-            rows = sidebar.locator("tr[data-rank]")
-            assert rows.count() == 2
-            assert "#1 finished · 100%" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
-            assert sidebar.locator(".jp-ScalePanel-chart polyline").count() == 3  # rank 0, rank 1, mean
-            assert "ipyparallel · 2 workers" in sidebar.locator(".jp-ScalePanel-summary").inner_text()
-            assert page.locator(".jp-ScaleStatus").inner_text().startswith("Scale: 2 workers")
-            # The sidebar and the cell's dashboard show the same worker processes.
-            listed = [sidebar.locator("tr[data-rank]").nth(i).locator("td[data-column='pid']").inner_text()
-                      for i in range(2)]
-            dashboard = page.locator(".jupyter-scale .js-workers tr[data-rank]")
-            assert [dashboard.nth(i).locator("td").nth(2).inner_text() for i in range(2)] == listed
-            dismiss_news_prompt(page)
-            page.screenshot(path=str(SCREENSHOTS / "sidebar.png"))
-            sidebar.screenshot(path=str(SCREENSHOTS / "sidebar-panel.png"))
+        sidebar.locator("tr[data-rank]").nth(1).wait_for(timeout=60_000)
+        pids = [int(sidebar.locator("tr[data-rank]").nth(i).locator("td[data-column='pid']").inner_text())
+                for i in range(2)]
+        kernel = next(c for c in psutil.Process(server.pid).children() if "ipykernel" in " ".join(c.cmdline()))
+        workers = [psutil.Process(pid) for pid in pids]
+        assert set(pids) <= {c.pid for c in kernel.children(recursive=True)}
 
-            # The third cell runs a long job; the sidebar's Interrupt stops it on every rank.
-            page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-InputArea-editor").click()
-            page.keyboard.press("Shift+Enter")
-            sidebar.locator(".jp-ScalePanel-jobState[data-state='running']").wait_for(timeout=60_000)
-            sidebar.locator("tr[data-rank][data-state='running']").nth(1).wait_for(timeout=30_000)
-            sidebar.locator("button[data-action='interrupt']").click()
-            sidebar.locator(".jp-ScalePanel-jobState[data-state='interrupted']").wait_for(timeout=60_000)
-            assert "#2 interrupted" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
-            assert [sidebar.locator("tr[data-rank]").nth(i).get_attribute("data-state") for i in range(2)] == \
-                ["idle", "idle"]  # stopped, and ready for the next cell
-            page.locator(".jp-Cell .jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
-
-            # A page reload attaches again to the running kernel and its cluster.
-            page.reload()
-            sidebar = page.locator("#jupyter-scale-sidebar")
-            if not sidebar.is_visible():
-                page.locator(".jp-SideBar [data-id='jupyter-scale-sidebar']").click()
-            sidebar.locator("tr[data-rank]").nth(1).wait_for(timeout=60_000)
-            pids = [int(sidebar.locator("tr[data-rank]").nth(i).locator("td[data-column='pid']").inner_text())
-                    for i in range(2)]
-            kernel = next(c for c in psutil.Process(server.pid).children() if "ipykernel" in " ".join(c.cmdline()))
-            workers = [psutil.Process(pid) for pid in pids]
-            assert set(pids) <= {c.pid for c in kernel.children(recursive=True)}
-
-            sidebar.locator("button[data-action='stop']").click()
-            sidebar.locator(".jp-ScalePanel-cluster[data-running='false']").wait_for(timeout=60_000)
-            assert wait_gone(workers, timeout=30) == []  # kernel side: the workers are gone
-            assert sidebar.locator("tr[data-rank]").count() == 0
-        finally:
-            browser.close()
+        sidebar.locator("button[data-action='stop']").click()
+        sidebar.locator(".jp-ScalePanel-cluster[data-running='false']").wait_for(timeout=60_000)
+        assert wait_gone(workers, timeout=30) == []  # kernel side: the workers are gone
+        assert sidebar.locator("tr[data-rank]").count() == 0

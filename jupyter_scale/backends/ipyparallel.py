@@ -272,11 +272,14 @@ class IPyParallelBackend(Backend):
     def describe(self) -> dict:
         if self._cluster is None:
             return {"engine_ids": list(self._engine_ids), "connected": True} if self._client else {}
-        return {
+        info = {
             "cluster_id": self._cluster.cluster_id,
             "profile_dir": self._cluster.profile_dir,
             "engine_ids": list(self._engine_ids),
         }
+        if self._client is not None:  # where the controller listens (registration)
+            info["controller"] = getattr(self._client, "_config", {}).get("registration", "")
+        return info
 
     def exit_code(self, pid: int) -> int | None:
         for launcher in _engine_launchers(self._cluster).values():
