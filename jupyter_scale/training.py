@@ -163,36 +163,44 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
     """Average the gradients of `params` across ranks, in buckets.
 
     A parameter can have a gradient on some ranks and not on others (a branch that only
-    some ranks' data takes): one small collective first agrees on which parameters have
-    a gradient anywhere, so every rank reduces the same buckets in the same order. A
-    parameter with a gradient nowhere keeps `grad=None` (frozen, unused, or zeroed with
+    some ranks' data takes): a missing gradient counts as zeros, so every rank reduces the
+    same buckets in the same order, and a count of the ranks that had one travels with the
+    first bucket (no collective of its own, which cost a round trip per step). A parameter
+    with a gradient nowhere gets `grad=None` back (frozen, unused, or zeroed with
     set_to_none), as it would locally.
     """
     params = [p for p in params if p.requires_grad and id(p) not in skip]
     if not params:
         return
     world = dist.get_world_size()
-    device = params[0].device
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
-    dist.all_reduce(present, op=dist.ReduceOp.MAX)
-    reduce = [p for p, has in zip(params, present.tolist()) if has]
-    for p in reduce:
+    had = [p.grad is not None for p in params]
+    for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
             raise TypeError("automatic mode does not average sparse gradients; use --manual with "
                             "jupyter_scale.wrap(model)")
-    global averaged_parameters
-    averaged_parameters += len(reduce)
-    for bucket in _buckets(reduce):
+    counts: list[float] = []
+    for index, bucket in enumerate(_buckets(params)):
         grads = [p.grad for p in bucket]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        parts = [g.reshape(-1) for g in grads]
+        if index == 0:  # counts up to the world size are exact in any float dtype used for training
+            parts.append(torch.tensor(had, dtype=grads[0].dtype, device=grads[0].device))
+        flat = torch.cat(parts)
         dist.all_reduce(flat)
+        if index == 0:
+            counts = flat[-len(params):].tolist()
         flat.div_(world)
         at = 0
         for g in grads:
             g.copy_(flat[at: at + g.numel()].view_as(g))
             at += g.numel()
+    global averaged_parameters
+    for p, count in zip(params, counts):
+        if count == 0:
+            p.grad = None  # no rank had a gradient: as it was
+        else:
+            averaged_parameters += 1
 
 
 def _buckets(params: list[torch.Tensor]):
