@@ -1,6 +1,6 @@
 """The same training loop under the tools a user would pick, from a real Jupyter kernel.
 
-    python benchmarks/compare.py [--repeat 3] [--steps 300] [--tools torchrun,auto,manual,px,dask]
+    python benchmarks/compare.py [--repeat 3] [--steps 300] [--tools torchrun,auto,manual,px,dask,accelerate]
 
 One loop (fixed-seed MLP 256-512-512-10 on synthetic data, SGD with momentum, batch 64 per
 rank, 2 ranks, gloo on 127.0.0.1) under:
@@ -11,6 +11,8 @@ rank, 2 ranks, gloo on 127.0.0.1) under:
 - manual:    `%%distribute --manual` with `jupyter_scale.wrap` / `jupyter_scale.shard`.
 - px:        hand-rolled ipyparallel: start a cluster, set the rendezvous up by hand, DDP in `%%px`.
 - dask:      `%%distribute --backend dask` automatic mode.
+- accelerate: accelerate's `notebook_launcher` (`pip install accelerate`): the loop in a
+             function with an `Accelerator(cpu=True)`, forked into 2 processes.
 
 Each notebook runs in a fresh kernel through nbclient (as nbval and papermill do). Metrics:
 cold start (from the start of the first cell that launches anything, the kernel already up,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import re
 import socket
@@ -117,6 +120,23 @@ def px_cells(steps: int, warm: int) -> list[str]:
     ]
 
 
+def accelerate_cells(steps: int, warm: int) -> list[str]:
+    # accelerate's notebook_launcher: the loop in a function, prepared by an Accelerator,
+    # forked into 2 processes (its CPU path: gloo on 127.0.0.1).
+    body = loop("DataLoader(data, batch_size=64, shuffle=True)", "model", "accelerator.is_main_process")
+    body = body.replace("    nn.functional.cross_entropy(model(x), y).backward()",
+                        "    accelerator.backward(nn.functional.cross_entropy(model(x), y))")
+    body = body.replace("opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)",
+                        "opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n"
+                        "model, opt, loader = accelerator.prepare(model, opt, loader)")
+    function = "def train():\n    global model\n    accelerator = Accelerator(cpu=True)\n" + \
+        "".join(f"    {line}\n" for line in body.strip().splitlines())
+    return [DATA.format(steps=steps, warm=warm) + "from accelerate import Accelerator, notebook_launcher\n"
+            "import socket\ns = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+            + function,
+            "notebook_launcher(train, num_processes=2, use_port=str(port))"]
+
+
 def parse(text: str) -> tuple[float, float]:
     found = re.search(r"BENCH first=([0-9.e+]+) rate=([0-9.e+]+)", text)
     if not found:
@@ -162,15 +182,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warm", type=int, default=30)
-    parser.add_argument("--tools", default="torchrun,auto,manual,px,dask")
+    parser.add_argument("--tools", default="torchrun,auto,manual,px,dask,accelerate")
     args = parser.parse_args()
     tools = args.tools.split(",")
+    if "accelerate" in tools and importlib.util.find_spec("accelerate") is None:
+        print("accelerate is not installed (pip install accelerate): skipping it", file=sys.stderr)
+        tools.remove("accelerate")
     runs = {
         "torchrun": lambda: run_torchrun(args.steps, args.warm),
         "auto": lambda: run_notebook(distribute_cells(args.steps, args.warm, ""), 1),
         "manual": lambda: run_notebook(distribute_cells(args.steps, args.warm, "--manual"), 1),
         "px": lambda: run_notebook(px_cells(args.steps, args.warm), 1),
         "dask": lambda: run_notebook(distribute_cells(args.steps, args.warm, "--backend dask"), 1),
+        "accelerate": lambda: run_notebook(accelerate_cells(args.steps, args.warm), 1),
     }
     results: dict[str, list[tuple[float, float]]] = {t: [] for t in tools}
     for i in range(args.repeat):
