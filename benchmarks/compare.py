@@ -30,14 +30,14 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+from torchrun import run_torchrun  # benchmarks/, the script's own folder
 
 # The loop as a user writes it for one process; {shard} and {wrap} are where each tool
 # needs (or does not need) its own lines.
@@ -162,19 +162,13 @@ def run_notebook(cells: list[str], launch_cell: int) -> tuple[float, float]:
     return first - t0, rate
 
 
-def run_torchrun(steps: int, warm: int) -> tuple[float, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp, "train.py")
-        script.write_text(torchrun_script(steps, warm))
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        t0 = time.time()
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script)],
-                              capture_output=True, text=True, env=env, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-3000:])
-        first, rate = parse(done.stdout)
-        return first - t0, rate
+def torchrun_baseline(steps: int, warm: int) -> tuple[float, float]:
+    t0 = time.time()
+    done = run_torchrun(torchrun_script(steps, warm))
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    first, rate = parse(done.stdout)
+    return first - t0, rate
 
 
 def main() -> None:
@@ -189,7 +183,7 @@ def main() -> None:
         print("accelerate is not installed (pip install accelerate): skipping it", file=sys.stderr)
         tools.remove("accelerate")
     runs = {
-        "torchrun": lambda: run_torchrun(args.steps, args.warm),
+        "torchrun": lambda: torchrun_baseline(args.steps, args.warm),
         "auto": lambda: run_notebook(distribute_cells(args.steps, args.warm, ""), 1),
         "manual": lambda: run_notebook(distribute_cells(args.steps, args.warm, "--manual"), 1),
         "px": lambda: run_notebook(px_cells(args.steps, args.warm), 1),

@@ -26,9 +26,7 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel import Kernel  # noqa: E402
+from torchrun import run_torchrun  # noqa: E402  (benchmarks/, the script's own folder)
 
 SETUP = "%load_ext jupyter_scale\nimport torch, torch.nn as nn, torch.distributed as dist\nimport jupyter_scale"
 
@@ -163,25 +162,10 @@ def _orphans(engine: str) -> float:
 
 
 def _torchrun(script: str) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "fault.py")
-        path.write_text(script)
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        # c10d rendezvous on a free loopback port (a static one with port 0 never meets).
-        process = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", "127.0.0.1:0", str(path)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
-        try:
-            stdout, _ = process.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks: the group we started
-            process.communicate()
-            raise
-        done = subprocess.CompletedProcess(process.args, process.returncode, stdout)
-        ended = time.time()
-        assert done.returncode != 0, "torchrun did not fail"
-        return ended - _fault_time(done.stdout)
+    done = run_torchrun(script, timeout=120)
+    ended = time.time()
+    assert done.returncode != 0, "torchrun did not fail"
+    return ended - _fault_time(done.stdout)
 
 
 def main() -> None:

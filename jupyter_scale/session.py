@@ -397,8 +397,7 @@ class ScaleSession(LoggingConfigurable):
         except BaseException as exc:
             record.status, record.error = "failed", str(exc)
             self.shipper.discard()
-            view.finish(record)
-            self._notify("run_finished", record)
+            self._finish_run(view, record)
             raise
         finally:
             job.release()
@@ -420,18 +419,21 @@ class ScaleSession(LoggingConfigurable):
             record.status = ("timed out" if isinstance(error, CellTimeout)
                              else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
             record.error, record.failed_rank = str(error), error.rank
-            view.finish(record)
-            self._notify("run_finished", record)
+            self._finish_run(view, record)
             if record.status == "interrupted" and self._user_interrupted:
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
                                         "and are ready for the next cell")
             raise error
         record.status = "finished"
         self._resync = self._resync and manual  # an automatic cell equalized the models
-        view.finish(record)
-        self._notify("run_finished", record)
+        self._finish_run(view, record)
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
         return record
+
+    def _finish_run(self, view: "_RunView", record: RunRecord) -> None:
+        """Show the run's end in the cell and tell the observers (the sidebar)."""
+        view.finish(record)
+        self._notify("run_finished", record)
 
     def _event_stream(self) -> metrics.EventQueue:
         if self.events is None:
