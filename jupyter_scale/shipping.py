@@ -339,12 +339,15 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, tuple]:
     return array, meta
 
 
-def _build_tensor(meta: tuple, buffer, device: torch.device | None) -> torch.Tensor:
+def _build_tensor(meta: tuple, buffer, device: torch.device | None, copy: bool = True) -> torch.Tensor:
     dtype_name, shape, requires_grad, is_parameter, device_type = meta
     dtype = getattr(torch, dtype_name)
     # The received frame may be read-only and owned by the transport: copy it into
-    # memory the tensor owns (one memcpy per worker).
-    raw = torch.frombuffer(bytearray(buffer), dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    # memory the tensor owns (one memcpy per worker), unless the caller copies it itself.
+    if not copy and memoryview(buffer).readonly:
+        copy = True
+    raw = (torch.frombuffer(bytearray(buffer) if copy else buffer, dtype=torch.uint8) if len(buffer)
+           else torch.empty(0, dtype=torch.uint8))
     tensor = (raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)).reshape(shape)
     if device_type == "cuda" and device is not None and device.type == "cuda":
         tensor = tensor.to(device)  # a notebook GPU tensor lands on this rank's GPU
@@ -397,6 +400,7 @@ class Shipment:
     names: list[tuple[str, int]] = field(default_factory=list)  # (name, frame count)
     updates: list[tuple[int, tuple]] = field(default_factory=list)  # (token, meta), one frame each
     frames: list = field(default_factory=list)
+    tensor_frames: list[bool] = field(default_factory=list)  # per frame: a tensor's bytes?
     nbytes: dict[str, int] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     forget: list[int] = field(default_factory=list)
@@ -433,6 +437,18 @@ class _StructurePickler(cloudpickle.Pickler):
         return ("t", id(obj), found[3])
 
 
+def _frames(pickler_class, value: Any, *args) -> tuple[list, list[bool]]:
+    """Pickle `value` to frames (stream, *out-of-band buffers), and which hold a tensor's bytes
+    (a receiver copies those into its tensors; other buffers it must own as they are)."""
+    buffers: list[pickle.PickleBuffer] = []
+    file = io.BytesIO()
+    pickler = pickler_class(file, *args, buffers)
+    pickler.dump(value)
+    tensor_buffers = {id(b) for b in pickler.tensor_buffers}
+    return ([file.getvalue(), *(b.raw() for b in buffers)],
+            [False, *(id(b) in tensor_buffers for b in buffers)])
+
+
 class _ShipPickler(cloudpickle.Pickler):
     """Pickles for the workers: each tensor becomes a reference to its token."""
 
@@ -440,11 +456,15 @@ class _ShipPickler(cloudpickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self.shipper = shipper
         self.tensors = tensors
+        self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
             return None
-        return self.shipper._reference(obj, self.tensors)
+        pid = self.shipper._reference(obj, self.tensors)
+        if pid[0] != "ref":
+            self.tensor_buffers.append(pid[3])
+        return pid
 
 
 class Shipper:
@@ -509,15 +529,13 @@ class Shipper:
                 shipment.skipped.append(name)
                 updates.extend((name, key) for key in keys)
                 continue
-            buffers: list[pickle.PickleBuffer] = []
-            file = io.BytesIO()
             try:
-                _ShipPickler(file, self, plan.tensors, buffers).dump(value)
+                frames, tensor_frames = _frames(_ShipPickler, value, self, plan.tensors)
             except Exception as exc:  # the plan pickled it already; be safe all the same
                 raise ShippingError(name, value, exc) from exc
-            frames = [file.getvalue(), *(b.raw() for b in buffers)]
             shipment.names.append((name, len(frames)))
             shipment.frames.extend(frames)
+            shipment.tensor_frames.extend(tensor_frames)
             shipment.nbytes[name] = sum(memoryview(f).nbytes for f in frames)
             self._pending_names[name] = _NameState(plan.structure[name], {})
         for name, key in updates:
@@ -529,6 +547,7 @@ class Shipper:
             self._pending_tensors[key] = _Known(known.token, known.ref, digest, meta)
             shipment.updates.append((known.token, meta))
             shipment.frames.append(memoryview(array))
+            shipment.tensor_frames.append(True)
             shipment.nbytes[name] = shipment.nbytes.get(name, 0) + array.nbytes
         return shipment
 
@@ -666,26 +685,32 @@ class Receiver:
 class _ValuePickler(cloudpickle.Pickler):
     def __init__(self, file, buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
             return None
         array, meta = _tensor_bytes(obj)
-        return ("value", meta, pickle.PickleBuffer(array))
+        self.tensor_buffers.append(pickle.PickleBuffer(array))
+        return ("value", meta, self.tensor_buffers[-1])
 
 
 class _ValueUnpickler(pickle.Unpickler):
+    def __init__(self, file, buffers, copy: bool):
+        super().__init__(file, buffers=buffers)
+        self.copy = copy
+
     def persistent_load(self, pid):
-        return _build_tensor(pid[1], pid[2], None)
+        return _build_tensor(pid[1], pid[2], None, self.copy)
 
 
-def dumps(value: Any) -> list:
-    """Frames (stream, *buffers) of `value`, tensors by value, out of band."""
-    buffers: list[pickle.PickleBuffer] = []
-    file = io.BytesIO()
-    _ValuePickler(file, buffers).dump(value)
-    return [file.getvalue(), *(b.raw() for b in buffers)]
+def dumps(value: Any) -> tuple[list, list[bool]]:
+    """Frames (stream, *buffers) of `value`, tensors by value, out of band; and which
+    frames hold a tensor's bytes."""
+    return _frames(_ValuePickler, value)
 
 
-def loads(stream, buffers) -> Any:
-    return _ValueUnpickler(io.BytesIO(stream), buffers=list(buffers)).load()
+def loads(stream, buffers, copy: bool = True) -> Any:
+    """The value of `dumps`' frames. With `copy=False` its tensors may share the frames'
+    memory (writable frames only): for a caller that copies them out at once."""
+    return _ValueUnpickler(io.BytesIO(stream), list(buffers), copy).load()

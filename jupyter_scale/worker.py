@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import rendezvous, shipping, training
+from . import rendezvous, sharedmem, shipping, training
 from .metrics import EventSink, Recorder
 
 # Names every cell sees; they are set again before each cell so they stay truthful.
@@ -50,6 +50,7 @@ class _WorkerState:
     cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
     collective: tuple | None = None  # (name, since) of the blocking collective the cell is in
     failed_in: str | None = None  # the collective the cell was in when it raised
+    frames_out: Any = None  # sharedmem.SharedFrames: rank 0's pull-back through shared memory
 
 
 _state = _WorkerState()
@@ -116,9 +117,17 @@ def _cell_may_be_interrupted(yes: bool) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), ctypes.c_void_p(0))
 
 
-def describe() -> dict:
-    """Facts the kernel needs to lay out ranks: host, pid, GPUs."""
+def describe(shared_memory_probe: tuple | None = None) -> dict:
+    """Facts the kernel needs to lay out ranks: host, pid, GPUs, and whether this worker
+    reads the kernel's shared memory (`sharedmem.probe`); if it does, a probe of this
+    worker's own for the kernel to check (large frames then go both ways through it)."""
+    probe_back = None
+    if shared_memory_probe and sharedmem.check_probe(*shared_memory_probe):
+        if _state.frames_out is None:
+            _state.frames_out = sharedmem.SharedFrames()
+        probe_back = sharedmem.probe(_state.frames_out)
     return {
+        "shared_memory": probe_back,
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "cuda_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
@@ -184,6 +193,8 @@ def reset() -> None:
     leave_group()
     if _state.sink is not None:
         _state.sink.close()
+    if _state.frames_out is not None:
+        _state.frames_out.close()
     _state = _WorkerState()
 
 
@@ -389,6 +400,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     started = time.time()
     rank = _state.rank
     received = False
+    if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
+        _state.frames_out.trim()
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
@@ -403,7 +416,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
         _cell_may_be_interrupted(True)
         with mode:
             _state.receiver.device = _state.device
-            shipped = _state.receiver.receive(request, frames)
+            with sharedmem.unpacked(frames, request.get("shared_frames")) as frames:
+                shipped = _state.receiver.receive(request, frames)
             if auto:
                 shipped = {name: mode.shard_shipped(value) for name, value in shipped.items()}
             _state.namespace.update(shipped)
@@ -451,11 +465,15 @@ def run_cell(request: dict, *frames: Any) -> tuple:
               **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
-        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames)
+        tensor_frames: list[bool] = []
+        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames)
+        if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
+            _state.frames_out.keep = request["pull_through"]
+            out_frames, header["shared_frames"] = _state.frames_out.pack(out_frames, tensor_frames)
     return (header, *out_frames)
 
 
-def _pack_pulls(request: dict, out_frames: list) -> tuple[list, dict]:
+def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict]:
     """Rank 0's module weights and --pull values, as (name, kind, frame count).
 
     A name that cannot be packed is reported by name; it never fails the cell.
@@ -476,11 +494,12 @@ def _pack_pulls(request: dict, out_frames: list) -> tuple[list, dict]:
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
         try:
-            frames = shipping.dumps(value.state_dict() if kind == "state_dict" else value)
+            frames, tensors = shipping.dumps(value.state_dict() if kind == "state_dict" else value)
         except Exception as exc:  # pickling raises many types
             errors[name] = f"cannot be sent back: {type(exc).__name__}: {exc}"
             continue
         out_frames.extend(frames)
+        tensor_frames.extend(tensors)
         pulled.append((name, kind, len(frames)))
     return pulled, errors
 
@@ -489,7 +508,7 @@ def gather_value(name: str) -> tuple:
     """This worker's value of `name` (for Session.gather)."""
     if name not in _state.namespace:
         return ({"rank": _state.rank, "missing": True},)
-    return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name]))
+    return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name])[0])
 
 
 def _connect_events(address: str | None) -> EventSink | None:

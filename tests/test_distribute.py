@@ -380,3 +380,37 @@ def test_resize_then_stop_leaves_no_process(kernel):
     assert wait_gone(started) == []
     assert kernel.descendants() == []
     assert "no cluster running" in kernel.ok("%scale status").stdout
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_big_values_travel_both_ways_through_shared_memory_or_the_engine(kernel, shared_memory):
+    session = "jupyter_scale.get_session()"
+    kernel.ok(f"{session}.shared_memory_enabled = {shared_memory}\n%scale restart --workers 2", timeout=120)
+    assert kernel.value(f"{session}.shared_memory") is shared_memory
+    kernel.ok("import numpy as np\n"
+              "arr = np.arange(1_000_000)  # 8 MB, not a tensor: each worker gets a writable copy\n"
+              "net = nn.Linear(1024, 1024)  # 4 MB of weights, pulled back after the cell\n"
+              "with torch.no_grad(): net.weight.fill_(0.5)")
+    cell = ("%%distribute\narr += rank\nwith torch.no_grad(): net.weight.add_(1)\n"
+            "print('seen', int(arr[10]), float(net.weight[0, 0]))")
+    first = kernel.ok(cell)
+    assert "[rank 0] seen 10 1.5" in first.stdout and "[rank 1] seen 11 1.5" in first.stdout
+    assert kernel.value("float(net.weight[0, 0]), int(arr[10])") == (1.5, 10)  # pulled back; arr is ours
+    rank0 = kernel.value(f"{session}.workers[0]['pid']")
+    # The frames went through the kernel's and rank 0's memory files, kept for the next cell.
+    assert (_memory_files(kernel.pid), _memory_files(rank0)) == ((1, 1) if shared_memory else (0, 0))
+    kernel.ok("with torch.no_grad(): net.weight.mul_(2)")  # changed in the notebook: sent in place
+    second = kernel.ok("%%distribute\nprint('again', float(net.weight[0, 0]), int(arr[10]))")
+    assert "[rank 1] again 3.0 11" in second.stdout  # the worker's own arr is unchanged: not re-sent
+    kernel.ok("%scale stop")
+    assert _memory_files(kernel.pid) == 0
+    kernel.ok(f"{session}.shared_memory_enabled = True")
+
+
+def _memory_files(pid):
+    """How many of jupyter_scale's shared-memory files (memfds) process `pid` holds open."""
+    import os
+
+    fds = f"/proc/{pid}/fd"
+    return sum("memfd:jupyter_scale-frames" in os.readlink(f"{fds}/{fd}") for fd in os.listdir(fds)
+               if os.path.exists(f"{fds}/{fd}"))

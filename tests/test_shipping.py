@@ -2,6 +2,7 @@
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,6 +214,8 @@ def test_unserializable_value_names_the_variable():
 
 def test_by_value_frames_roundtrip():
     state = torch.nn.Linear(3, 2).state_dict()
-    frames = shipping.dumps({"state": state, "n": 3})
+    frames, tensor_frames = shipping.dumps({"state": state, "n": 3, "array": np.arange(4)})
+    assert tensor_frames == [False, True, True, False]  # weight, bias; the numpy array's buffer is not a tensor
     back = shipping.loads(frames[0], [bytes(f) for f in frames[1:]])
     assert back["n"] == 3 and all(torch.equal(back["state"][k], v) for k, v in state.items())
+    assert back["array"].tolist() == [0, 1, 2, 3]
