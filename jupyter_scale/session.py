@@ -464,10 +464,32 @@ class ScaleSession(LoggingConfigurable):
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
                                         "and are ready for the next cell")
             raise error
-        record.status = "finished"
         self._resync = self._resync and manual  # an automatic cell equalized the models
+        if not manual:
+            self._sync_buffers(headers)
+        record.status = "finished"
         self._finish_run(view, record)
         self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
+
+    def _sync_buffers(self, headers: dict[int, dict]) -> None:
+        """Automatic mode ends a cell with rank 0's module buffers on every rank (as DDP's
+        broadcast_buffers), for the names every rank holds alike. Compared here, from the
+        ranks' answers, so that a cell without buffers costs no collective."""
+        signatures = [headers[r].get("buffers") for r in sorted(headers)]
+        if not signatures or not signatures[0] or any(s is None for s in signatures):
+            return  # no buffers on rank 0, or a rank without a process group
+        common = [n for n, sig in signatures[0].items() if all(s.get(n) == sig for s in signatures)]
+        if not common:
+            return
+        job = self.backend.submit(worker.sync_buffers, common)
+        try:
+            job.wait(self.start_timeout)
+        except DistributeError as exc:  # the next automatic cell equalizes everything
+            self._resync = True
+            print(f"jupyter_scale: could not give every rank rank 0's module buffers ({exc}); "
+                  "the next cell does", file=sys.stderr, flush=True)
+        finally:
+            job.release()
 
     def _finish_run(self, view: "_RunView", record: RunRecord) -> None:
         """Show the run's end in the cell and tell the observers (the sidebar)."""

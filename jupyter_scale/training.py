@@ -387,18 +387,26 @@ class AutoMode:
         return None
 
 
-def broadcast_buffers(namespace: dict) -> list[str]:
+def _buffers(value) -> list:
+    module = _module_of(value)
+    return list(module.named_buffers()) if module is not None else []
+
+
+def buffer_signatures(namespace: dict) -> dict[str, list]:
+    """This rank's module buffers, by name: what `broadcast_buffers` would send (no bytes)."""
+    return _signatures(_named_tensors(namespace, _buffers))
+
+
+def broadcast_buffers(namespace: dict, names: list[str]) -> None:
     """Give every rank rank 0's module buffers (BatchNorm running stats and the like).
 
     The policy of automatic mode, as DDP's broadcast_buffers: each rank updates its
     buffers from its own shard during the cell; at the end of the cell rank 0's win, so
-    the ranks (and the model pulled back into the notebook) hold the same values.
+    the ranks (and the model pulled back into the notebook) hold the same values. `names`
+    are those every rank holds with the same `buffer_signatures` (the kernel compares
+    them: a cell without buffers then costs no collective at all).
     """
-    def buffers(value) -> list:
-        module = _module_of(value)
-        return list(module.named_buffers()) if module is not None else []
-
-    return _broadcast_from_rank0(namespace, buffers)
+    _broadcast(_named_tensors(namespace, _buffers), names)
 
 
 def resync(namespace: dict) -> list[str]:
@@ -433,28 +441,40 @@ def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
     Only names that every rank holds with the same tensor names, shapes and dtypes take
     part (a collective needs the same calls on every rank). Returns those names.
     """
-    mine: dict[str, list[torch.Tensor]] = {}
-    signatures: dict[str, list] = {}
-    for name, value in namespace.items():
-        named = tensors_of(value)
-        if named:
-            mine[name] = [t for _, t in named]
-            signatures[name] = [(k, tuple(t.shape), str(t.dtype)) for k, t in named]
+    named = _named_tensors(namespace, tensors_of)
+    signatures = _signatures(named)
     if _same_on_every_rank(signatures):  # the usual case, in one small all_reduce
-        common = sorted(mine)
+        common = sorted(named)
     else:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, signatures)
-        common = [n for n in sorted(mine) if all(other.get(n) == signatures[n] for other in everyone)]
+        common = [n for n in sorted(named) if all(other.get(n) == signatures[n] for other in everyone)]
+    _broadcast(named, common)
+    return common
+
+
+def _named_tensors(namespace: dict, tensors_of) -> dict[str, list]:
+    named = {}
+    for name, value in namespace.items():
+        tensors = tensors_of(value)
+        if tensors:
+            named[name] = tensors
+    return named
+
+
+def _signatures(named: dict[str, list]) -> dict[str, list]:
+    return {name: [(k, tuple(t.shape), str(t.dtype)) for k, t in tensors] for name, tensors in named.items()}
+
+
+def _broadcast(named: dict[str, list], names: list[str]) -> None:
     seen: set[int] = set()
     with torch.no_grad():
-        for name in common:
-            for tensor in mine[name]:
+        for name in sorted(names):
+            for _, tensor in named.get(name, ()):
                 if id(tensor) in seen:  # shared by two names (a model and its submodule)
                     continue
                 seen.add(id(tensor))
                 dist.broadcast(tensor.detach(), src=0)
-    return common
 
 
 def _same_on_every_rank(value) -> bool:

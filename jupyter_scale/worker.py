@@ -400,6 +400,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     started = time.time()
     rank = _state.rank
     received = False
+    buffers = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
@@ -429,7 +430,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             code = compile(request["code"], request["filename"], "exec")
             exec(code, _state.namespace)
             if auto and training._distributed():  # the cell may have destroyed the group
-                training.broadcast_buffers(_state.namespace)
+                # The kernel compares every rank's and asks for `sync_buffers` if any.
+                buffers = training.buffer_signatures(_state.namespace)
         _cell_may_be_interrupted(False)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
         _cell_may_be_interrupted(False)
@@ -461,7 +463,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
 
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
-              "elapsed": time.time() - started,
+              "elapsed": time.time() - started, "buffers": buffers,
               **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
@@ -471,6 +473,11 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             _state.frames_out.keep = request["pull_through"]
             out_frames, header["shared_frames"] = _state.frames_out.pack(out_frames, tensor_frames)
     return (header, *out_frames)
+
+
+def sync_buffers(names: list[str]) -> None:
+    """Rank 0's module buffers of `names` to every rank (automatic mode, after a cell)."""
+    training.broadcast_buffers(_state.namespace, names)
 
 
 def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict]:
