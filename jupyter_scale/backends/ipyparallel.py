@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -11,6 +12,7 @@ from typing import Any, Callable
 import ipyparallel as ipp
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+from traitlets import List
 
 from ..errors import ClusterError
 from . import Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
@@ -48,8 +50,24 @@ class _EngineLauncher(LocalEngineLauncher):
         super()._start_waiting()
 
 
+# ipyparallel's engine, with the worker code (torch: a second or two) imported first: while
+# the controller starts, instead of after registering, before the first cell. A failed
+# import is left to the first call, which reports it with its cause (WorkerCallFailed)
+# rather than an engine dying at start. (Not `-m` a module of ours: that would import the
+# jupyter_scale package, and torch, outside the try.)
+_ENGINE_MAIN = """
+try:
+    import jupyter_scale.worker
+except Exception:
+    pass
+from ipyparallel.engine.app import main
+main()
+"""
+
+
 class _EngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = _EngineLauncher
+    engine_cmd = List([sys.executable, "-c", _ENGINE_MAIN])
 
     def start(self, n):
         result = super().start(n)
@@ -174,6 +192,9 @@ class IPyParallelBackend(Backend):
             # --nodb: the controller would otherwise keep every result (whole models) forever.
             controller_args=[f"--ping={HEARTBEAT_MS}", "--nodb"],
             engine_timeout=int(timeout),
+            # Engines start with the controller, not a second after it: they wait for its
+            # connection file themselves (IPEngine.wait_for_url_file).
+            delay=0,
             # ipyparallel logs a stopped engine's whole output as a warning when its exit
             # code is not 0, which happens now and then on a clean shutdown request; the
             # user does not need that in the notebook. Start failures are reported by us.
