@@ -35,7 +35,11 @@ class SidebarChannel:
 
     def __init__(self, session: Any):
         self.session = session
-        self.comms: dict[str, Any] = {}
+        self.comms: dict[str, Any] = {}  # comms a sidebar holds: they get every state
+        # The comm the kernel opens at %load_ext, until a sidebar answers on it: nbclient,
+        # nbval or a frontend without the extension never do, and a state push every
+        # cell would cost them a message or two (a few ms per trivial cell) for nobody.
+        self.greeting: Any = None
         self.feed: DashboardFeed | None = None
         self.record: Any = None  # the RunRecord of the current or last job
         self._pushed_at = 0.0
@@ -50,9 +54,17 @@ class SidebarChannel:
         from comm import create_comm, get_comm_manager
 
         get_comm_manager().register_target(COMM_TARGET, self._on_open)
-        comm = create_comm(target_name=COMM_TARGET, data=self.state())
-        self._attach(comm)
+        self.greeting = create_comm(target_name=COMM_TARGET, data=self.state())
+        self.greeting.on_msg(lambda msg, comm=self.greeting: self._answered(comm, msg))
+        self.greeting.on_close(lambda msg: setattr(self, "greeting", None))  # no sidebar there
         return True
+
+    def _answered(self, comm: Any, msg: dict) -> None:
+        """A sidebar adopted the greeting comm: it gets states from now on."""
+        if comm is self.greeting:
+            self.greeting = None
+            self._attach(comm)
+        self._on_msg(comm, msg)
 
     def _on_open(self, comm: Any, open_msg: dict) -> None:
         self._attach(comm)

@@ -149,6 +149,8 @@ export class ScaleConnection {
     };
     if (data) {
       this._receive(comm, data);
+      // The kernel's greeting: answer, so that it sends this comm its states from now on.
+      comm.send({ action: 'refresh' });
     }
   }
 
