@@ -112,14 +112,14 @@ class ScaleSession(LoggingConfigurable):
                               "waited this many seconds in a collective that others are not in, say which "
                               "rank they wait for (again every as many seconds). 0 turns it off.")
     shared_memory_enabled = Bool(True, config=True,
-                                 help="When every worker can read this machine's /dev/shm (the embedded "
-                                      "cluster), send frames of 1 MB or more through it rather than through "
-                                      "the engine's messages (several times faster).")
+                                 help="When every worker runs on this machine and reads the kernel's shared "
+                                      "memory (the embedded cluster), send values' pieces of 1 MB or more through "
+                                      "it rather than in the engine's messages (several times faster).")
     shared_memory_keep = Integer(1 << 30, config=True,
-                                 help="Bytes of /dev/shm the kernel (and rank 0, for the pull-back) may keep "
-                                      "between cells, so that the next cell writes into memory already handed "
-                                      "out (several times faster than fresh memory); a larger cell's file is "
-                                      "emptied after the cell.")
+                                 help="Bytes of shared memory the kernel (and rank 0, for the pull-back) may "
+                                      "keep between cells, so that the next cell writes into memory already "
+                                      "handed out (several times faster than fresh memory); a larger cell's "
+                                      "file is emptied after the cell.")
     poll_interval = Float(0.1, config=True,
                           help="Longest wait between checks for deadlines while a cell runs "
                                "(results and output wake the kernel at once).")
@@ -137,7 +137,7 @@ class ScaleSession(LoggingConfigurable):
         self.group: dict = {}  # backend, master address/port of the current process group
         self.runs: list[RunRecord] = []
         self.shipper = shipping.Shipper()  # what the workers hold of the notebook's values
-        self.shared_memory = False  # large frames go through /dev/shm (see _form_group)
+        self.shared_memory = False  # large frames go through shared memory (see _form_group)
         self._frames_out: sharedmem.SharedFrames | None = None  # the kernel's, for large frames
         self._group_ready = False
         self._user_interrupted = False
