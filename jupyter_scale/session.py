@@ -421,8 +421,7 @@ class ScaleSession(LoggingConfigurable):
         }
         view = _RunView(self, record, steps)
         self._notify("run_started", record, steps)
-        frames, request["shared_frames"] = (self._frames_out.pack(shipment.frames, shipment.tensor_frames)
-                                      if self.shared_memory else (shipment.frames, None))
+        frames, request["shared_frames"] = self._pack_frames(shipment)
         job = self.backend.submit(worker.run_cell, request, *frames)
         try:
             headers, frames_back, error, lost = self._wait(job, record, timeout, view)
@@ -438,6 +437,16 @@ class ScaleSession(LoggingConfigurable):
         with sharedmem.unpacked(frames_back.get(0, ()), headers.get(0, {}).get("shared_frames")) as frames_back[0]:
             self._end_run(record, view, headers, frames_back, error, lost, shipment, manual)
         return record
+
+    def _pack_frames(self, shipment: shipping.Shipment) -> tuple[list, dict | None]:
+        """The shipment's big frames into shared memory, when the workers read it; should
+        that fail (out of memory), this cell's frames go through the engine instead."""
+        if self.shared_memory:
+            try:
+                return self._frames_out.pack(shipment.frames, shipment.tensor_frames)
+            except OSError as exc:
+                log.warning("shared memory failed (%s); sending through %s", exc, self.backend_name)
+        return shipment.frames, None
 
     def _end_run(self, record: RunRecord, view: "_RunView", headers: dict, frames_back: dict,
                  error: RemoteError | None, lost: list, shipment: shipping.Shipment, manual: bool) -> None:

@@ -471,7 +471,10 @@ def run_cell(request: dict, *frames: Any) -> tuple:
         header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames)
         if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
             _state.frames_out.keep = request["pull_through"]
-            out_frames, header["shared_frames"] = _state.frames_out.pack(out_frames, tensor_frames)
+            try:
+                out_frames, header["shared_frames"] = _state.frames_out.pack(out_frames, tensor_frames)
+            except OSError:  # out of memory there: the engine carries them
+                pass
     return (header, *out_frames)
 
 

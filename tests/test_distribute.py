@@ -402,6 +402,11 @@ def test_big_values_travel_both_ways_through_shared_memory_or_the_engine(kernel,
     kernel.ok("with torch.no_grad(): net.weight.mul_(2)")  # changed in the notebook: sent in place
     second = kernel.ok("%%distribute\nprint('again', float(net.weight[0, 0]), int(arr[10]))")
     assert "[rank 1] again 3.0 11" in second.stdout  # the worker's own arr is unchanged: not re-sent
+    if shared_memory:  # the kernel's shared memory fails (say, out of memory): the engine carries the cell
+        kernel.ok(f"def full(*args, **kwargs):\n    raise OSError(28, 'No space left on device')\n"
+                  f"{session}._frames_out.pack = full\nwith torch.no_grad(): net.weight.add_(1)")
+        third = kernel.ok("%%distribute\nprint('third', float(net.weight[0, 0]))")
+        assert "[rank 1] third 4.0" in third.stdout
     kernel.ok("%scale stop")
     assert _memory_files(kernel.pid) == 0
     kernel.ok(f"{session}.shared_memory_enabled = True")
