@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, Subset)
@@ -443,12 +442,9 @@ def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
     """
     named = _named_tensors(namespace, tensors_of)
     signatures = _signatures(named)
-    if _same_on_every_rank(signatures):  # the usual case, in one small all_reduce
-        common = sorted(named)
-    else:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, signatures)
-        common = [n for n in sorted(named) if all(other.get(n) == signatures[n] for other in everyone)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, signatures)
+    common = [n for n in sorted(named) if all(other.get(n) == signatures[n] for other in everyone)]
     _broadcast(named, common)
     return common
 
@@ -475,12 +471,3 @@ def _broadcast(named: dict[str, list], names: list[str]) -> None:
                     continue
                 seen.add(id(tensor))
                 dist.broadcast(tensor.detach(), src=0)
-
-
-def _same_on_every_rank(value) -> bool:
-    """Do all ranks hold an equal `value` (by its repr)? One all_reduce of two integers,
-    where gathering the values would take two collectives and pickling (~3 ms a cell)."""
-    digest = xxhash.xxh3_64_intdigest(repr(value).encode()) >> 1  # fits an int64
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    return int(extremes[0]) == -int(extremes[1])  # the largest digest is also the smallest
