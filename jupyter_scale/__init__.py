@@ -9,6 +9,7 @@ work inside `%%distribute` cells and, as no-ops or local recording, outside them
 from __future__ import annotations
 
 from ._version import __version__
+from .batchnorm import sync_batchnorm
 from .errors import (CellTimeout, ClusterError, DistributeError, RemoteError, ShippingError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
 from .metrics import report
@@ -63,7 +64,7 @@ def unload_ipython_extension(ip) -> None:
 
 
 __all__ = [
-    "__version__", "get_session", "history", "report", "shard", "wrap",
+    "__version__", "get_session", "history", "report", "shard", "sync_batchnorm", "wrap",
     "DistributeError", "ClusterError", "RemoteError", "ShippingError", "WorkerDied", "CellTimeout",
     "WorkerLost", "WorkerCallFailed",
 ]

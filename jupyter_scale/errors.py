@@ -31,11 +31,13 @@ class DistributeError(Exception):
 class ShippingError(DistributeError):
     """A notebook value the cell reads cannot be sent to the workers."""
 
-    def __init__(self, name: str, value: object, cause: BaseException):
+    def __init__(self, name: str, value: object, cause: BaseException, via: str | None = None):
         self.name = name
         self.cause = cause
+        self.via = via  # the notebook function or class that reads it, when the cell does not
+        read_by = f", used by {via!r}," if via else ""
         super().__init__(
-            f"cannot send variable {name!r} ({type(value).__name__}) to the workers: "
+            f"cannot send variable {name!r} ({type(value).__name__}){read_by} to the workers: "
             f"{type(cause).__name__}: {cause}. Create it inside the %%distribute cell instead, "
             "or make it picklable."
         )

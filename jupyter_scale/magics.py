@@ -209,5 +209,6 @@ def format_status(info: dict) -> str:
             text += f"\n  rank {r['rank']}: pid {r['pid']} on {r['hostname']}, device {r.get('device', '?')}"
     if "last_run" in info:
         last = info["last_run"]
-        text += f"\n  last run: cell {last['index']} {last['status']} in {last['elapsed']:.2f} s"
+        cell = f"In [{last['execution_count']}]" if last.get("execution_count") else f"run {last['index']}"
+        text += f"\n  last run: {cell} {last['status']} in {last['elapsed']:.2f} s"
     return text

@@ -33,6 +33,7 @@ class RunRecord:
 
     index: int
     workers: int
+    execution_count: int | None = None  # the notebook's In [n] of the cell, when there is one
     shipped: dict[str, int] = field(default_factory=dict)  # name -> bytes sent
     skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
     pulled: list[str] = field(default_factory=list)
@@ -136,7 +137,7 @@ class ScaleSession(LoggingConfigurable):
         self.workers: list[dict] = []  # describe() of each rank
         self.group: dict = {}  # backend, master address/port of the current process group
         self.runs: list[RunRecord] = []
-        self.shipper = shipping.Shipper()  # what the workers hold of the notebook's values
+        self.shipper = shipping.Shipper(self.namespace)  # what the workers hold of the notebook's values
         self.shared_memory = False  # large frames go through shared memory (see _form_group)
         self._frames_out: sharedmem.SharedFrames | None = None  # the kernel's, for large frames
         self._group_ready = False
@@ -322,7 +323,8 @@ class ScaleSession(LoggingConfigurable):
             info["ranks"] = [dict(rank=r, **w) for r, w in enumerate(self.workers)]
         if self.runs:
             last = self.runs[-1]
-            info["last_run"] = {"index": last.index, "status": last.status, "elapsed": round(last.elapsed, 3)}
+            info["last_run"] = {"index": last.index, "execution_count": last.execution_count,
+                                "status": last.status, "elapsed": round(last.elapsed, 3)}
         return info
 
     def _forget_workers(self) -> None:
@@ -330,7 +332,7 @@ class ScaleSession(LoggingConfigurable):
         self.workers = []
         self.group = {}
         self.shared_memory = False
-        self.shipper = shipping.Shipper()
+        self.shipper = shipping.Shipper(self.namespace)
         self._group_ready = False
         self._resync = False
 
@@ -393,13 +395,21 @@ class ScaleSession(LoggingConfigurable):
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
-        # Pickle before any worker runs: an unpicklable value fails here, naming it.
-        plan = self.shipper.plan({n: self.namespace[n] for n in names})
+        # Pickle before any worker runs: an unpicklable value fails here, naming it. The
+        # plan adds the names that the notebook functions the cell calls read.
+        plan = self.shipper.plan({n: self.namespace[n] for n in names}, self._shippable)
+        names = list(plan.values)
         self.ensure(workers)
-        record = RunRecord(index=len(self.runs) + 1, workers=self.size)
+        record = RunRecord(index=len(self.runs) + 1, workers=self.size,
+                           execution_count=getattr(self.shell, "execution_count", None))
         self.runs.append(record)
         shipment = self.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
+        if shipment.replaced:
+            print(f"jupyter_scale: the notebook's {_listed(shipment.replaced)} replace"
+                  f"{'s' if len(shipment.replaced) == 1 else ''} the workers' own (set by an earlier "
+                  "%%distribute cell; the notebook changed it since)", file=sys.stderr, flush=True)
+        # The notebook's models the cell uses, also through the notebook functions it calls.
         modules = [n for n in names if isinstance(self.namespace[n], torch.nn.Module)]
         request = {
             "names": shipment.names,
@@ -435,7 +445,7 @@ class ScaleSession(LoggingConfigurable):
             if self._frames_out is not None:
                 self._frames_out.trim()
         with sharedmem.unpacked(frames_back.get(0, ()), headers.get(0, {}).get("shared_frames")) as frames_back[0]:
-            self._end_run(record, view, headers, frames_back, error, lost, shipment, manual)
+            self._end_run(record, view, headers, frames_back, error, lost, shipment, plan, manual)
         return record
 
     def _pack_frames(self, shipment: shipping.Shipment) -> tuple[list, dict | None]:
@@ -449,7 +459,8 @@ class ScaleSession(LoggingConfigurable):
         return shipment.frames, None
 
     def _end_run(self, record: RunRecord, view: "_RunView", headers: dict, frames_back: dict,
-                 error: RemoteError | None, lost: list, shipment: shipping.Shipment, manual: bool) -> None:
+                 error: RemoteError | None, lost: list, shipment: shipping.Shipment, plan: shipping.Plan,
+                 manual: bool) -> None:
         record.elapsed = time.time() - record.started
         record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
 
@@ -461,6 +472,10 @@ class ScaleSession(LoggingConfigurable):
             self.shipper.commit(shipment)
         else:
             self.shipper.discard()  # some rank may not hold the new values: send again
+        # Names the cell bound on the workers are theirs until the notebook writes them
+        # (the pull-back below makes pulled names the notebook's again).
+        self.shipper.workers_rebound(
+            sorted({n for h in headers.values() for n in h.get("rebound", ()) if self._shippable(n)}), plan)
         if any(not h.get("group_ready", False) for h in headers.values()):
             self._group_ready = False
         if error is not None:
@@ -543,12 +558,12 @@ class ScaleSession(LoggingConfigurable):
             candidates = shipping.free_names(code)
         except SyntaxError as exc:
             raise DistributeError(f"the cell is not valid Python: {exc}") from None
-        skip = set(worker.INJECTED_NAMES)
-        return [
-            n for n in candidates
-            if n in self.namespace and n not in skip and not n.startswith("__")
-            and not _is_ipython_internal(n)
-        ]
+        return [n for n in candidates if n in self.namespace and self._shippable(n)]
+
+    @staticmethod
+    def _shippable(name: str) -> bool:
+        """Not a name the workers set themselves, a dunder, or IPython's own."""
+        return name not in worker.INJECTED_NAMES and not name.startswith("__") and not _is_ipython_internal(name)
 
     def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "_RunView"):
         """Stream output until every rank answered; stop the others after a failure.
@@ -735,7 +750,7 @@ class ScaleSession(LoggingConfigurable):
             at += count
             try:
                 # A state dict is copied into the notebook's model at once: no copy before.
-                value = shipping.loads(stream, buffers, copy=kind != "state_dict")
+                value = shipping.loads(stream, buffers, copy=kind != "state_dict", namespace=self.namespace)
                 if kind == "state_dict":
                     with torch.no_grad():
                         self.namespace[name].load_state_dict(value)
@@ -761,7 +776,7 @@ class ScaleSession(LoggingConfigurable):
         missing = [a[0]["rank"] for a in answers if a[0]["missing"]]
         if missing:
             raise KeyError(f"{name!r} is not defined on ranks {missing}")
-        return [shipping.loads(a[1], a[2:]) for a in answers]
+        return [shipping.loads(a[1], a[2:], namespace=self.namespace) for a in answers]
 
     def history(self, as_frame: bool = False):
         """The points the last run reported (all ranks, in time order): a list of dicts with
@@ -769,6 +784,10 @@ class ScaleSession(LoggingConfigurable):
         DataFrame with `as_frame=True`."""
         points = list(self.runs[-1].metrics) if self.runs else []
         return _as_frame(points) if as_frame else points
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def _where(where: dict) -> str:

@@ -16,19 +16,33 @@ reference with an identity token. The workers keep one tensor per token, so
 
 Whether a name changed is decided by a content digest: its pickle (with each tensor
 replaced by its identity and the xxh3 hash of its bytes) hashed again.
+
+Functions and classes defined in the notebook keep living in a namespace, not in a copy
+of it: a notebook function lands on the workers with the worker's namespace as its
+globals, so it reads and writes the names there at call time, as it does in the kernel
+(`_NamespaceFunctions`). The globals such functions read travel as names of their own
+(`Plan` follows them, transitively), and so do the notebook classes of the values sent,
+so that `__main__.Net` means the same class on the workers as in the notebook.
+
+Last writer wins: a name that a distributed cell bound on the workers is theirs until
+the notebook rebinds or changes it (`Shipper.workers_rebound`); only then is the
+notebook's value sent over it, and the cell says so (`Shipment.replaced`).
 """
 
 from __future__ import annotations
 
 import ast
+import dis
 import io
 import itertools
 import pickle
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from types import CodeType
+from typing import Any, Callable, Iterable
 
 import cloudpickle
+import cloudpickle.cloudpickle as _cloudpickle
 import numpy as np
 import torch
 import xxhash
@@ -361,6 +375,64 @@ def _digest(array: np.ndarray) -> bytes:
 
 
 # --------------------------------------------------------------------------------------
+# Functions that live in a namespace
+# --------------------------------------------------------------------------------------
+
+_GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"}
+
+
+def global_names(code: CodeType) -> set[str]:
+    """The global names `code` (and the functions, classes and comprehensions nested in it)
+    reads, writes or deletes."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS}
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= global_names(const)
+    return names
+
+
+class _NamespaceFunctions:
+    """A pickler mixin: functions whose globals are `namespace` travel without them.
+
+    cloudpickle gives a function defined in `__main__` a private copy of the globals it
+    reads; on the workers it would then see the notebook's values of the moment it was
+    sent, never the names the cell binds there (`step_size = 0.5; show()`), and its
+    `global` statements would write into that copy. Here the function's globals are a
+    reference to the namespace itself ("ns"), which the receiving side resolves to its
+    own: the worker's namespace on a worker, the notebook's in the kernel. The names it
+    reads are collected in `reads` (and sent as names of their own by the Shipper), and
+    so are the notebook classes met on the way, which the receiving `__main__` must hold
+    for pickling by reference (`torch.save(model)`) to find them.
+    """
+
+    namespace: dict | None = None
+
+    def _init_namespace(self, namespace: dict | None) -> None:
+        self.namespace = namespace
+        self.reads: set[str] = set()
+
+    def _dynamic_function_reduce(self, func):
+        if self.namespace is None or func.__globals__ is not self.namespace:
+            return super()._dynamic_function_reduce(func)
+        code, _, _, _, closure = self._function_getnewargs(func)
+        state, slotstate = _cloudpickle._function_getstate(func)
+        slotstate["__globals__"] = {}  # never written over the receiving namespace's names
+        self.reads |= global_names(code)
+        # The namespace pickles as a persistent reference (see `persistent_id`).
+        return (_cloudpickle._make_function, (code, func.__globals__, None, None, closure),
+                (state, slotstate), None, None, _cloudpickle._function_setstate)
+
+    def reducer_override(self, obj):
+        if (self.namespace is not None and isinstance(obj, type) and obj.__module__ == "__main__"
+                and self.namespace.get(obj.__qualname__) is obj):
+            self.reads.add(obj.__qualname__)
+        return super().reducer_override(obj)
+
+    def _namespace_id(self, obj):
+        return ("ns",) if self.namespace is not None and obj is self.namespace else None
+
+
+# --------------------------------------------------------------------------------------
 # Kernel side
 # --------------------------------------------------------------------------------------
 
@@ -391,6 +463,11 @@ class Plan:
     structure: dict[str, bytes] = field(default_factory=dict)
     tensor_keys: dict[str, list[int]] = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)  # id -> (tensor, array, digest, meta)
+    # Names reached only through notebook functions and classes (not read by the cell itself).
+    reached: list[str] = field(default_factory=list)
+    # Names the workers own whose notebook value cannot be pickled and is the same object as
+    # when they took it: nothing to compare, nothing to send.
+    unchanged_owned: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -404,13 +481,16 @@ class Shipment:
     nbytes: dict[str, int] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     forget: list[int] = field(default_factory=list)
+    # Names the workers had bound themselves, replaced by a notebook value that changed since.
+    replaced: list[str] = field(default_factory=list)
 
 
-class _StructurePickler(cloudpickle.Pickler):
+class _StructurePickler(_NamespaceFunctions, cloudpickle.Pickler):
     """Pickles for the structure digest: each tensor is (identity, dtype/shape), no bytes."""
 
-    def __init__(self, file, tensors: dict):
+    def __init__(self, file, tensors: dict, namespace: dict | None = None):
         super().__init__(file, protocol=5, buffer_callback=self._hash_buffer)
+        self._init_namespace(namespace)
         self.tensors = tensors  # id -> (tensor, array, digest, meta), shared with _ShipPickler
         self.keys: dict[int, None] = {}  # ids in first-seen order (an ordered set)
         self.buffer_digests: list[bytes] = []
@@ -428,7 +508,7 @@ class _StructurePickler(cloudpickle.Pickler):
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
-            return None
+            return self._namespace_id(obj)
         found = self.tensors.get(id(obj))
         if found is None:
             array, meta = _tensor_bytes(obj)
@@ -449,18 +529,19 @@ def _frames(pickler_class, value: Any, *args) -> tuple[list, list[bool]]:
             [False, *(id(b) in tensor_buffers for b in buffers)])
 
 
-class _ShipPickler(cloudpickle.Pickler):
+class _ShipPickler(_NamespaceFunctions, cloudpickle.Pickler):
     """Pickles for the workers: each tensor becomes a reference to its token."""
 
     def __init__(self, file, shipper: "Shipper", tensors: dict, buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self._init_namespace(shipper.namespace)
         self.shipper = shipper
         self.tensors = tensors
         self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
-            return None
+            return self._namespace_id(obj)
         pid = self.shipper._reference(obj, self.tensors)
         if pid[0] != "ref":
             self.tensor_buffers.append(pid[3])
@@ -478,34 +559,87 @@ class Shipper:
     every worker received it (a failed delivery is simply prepared again next time).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: dict | None = None) -> None:
+        # The notebook's namespace: its functions travel without their globals, which
+        # are followed and sent as names (see _NamespaceFunctions).
+        self.namespace = namespace
         self._known: dict[int, _Known] = {}  # id(tensor) -> what the workers hold
         self._names: dict[str, _NameState] = {}
+        # Names the workers bound themselves -> the notebook's value as it was then:
+        # ("structure", digest), ("object", id) when it cannot be pickled, or ("absent",).
+        self._owned: dict[str, tuple] = {}
         self._forgotten: list[int] = []
         self._tokens = itertools.count(1)
         self._pending_tensors: dict[int, _Known] = {}
         self._pending_names: dict[str, _NameState] = {}
         self._in_shipment: dict[int, int] = {}  # id -> token, within one prepare()
 
-    def _structure(self, value: Any, tensors: dict) -> tuple[bytes, list[int]]:
+    def _structure(self, value: Any, tensors: dict) -> tuple[bytes, list[int], set[str]]:
+        """The value's structure digest, its tensors' ids, and the notebook names its
+        functions and classes reach."""
         file = io.BytesIO()
-        pickler = _StructurePickler(file, tensors)
+        pickler = _StructurePickler(file, tensors, self.namespace)
         pickler.dump(value)
         h = xxhash.xxh3_128(file.getvalue())
         h.update(repr(id(value)).encode())  # a new object is a new value, even if equal
         for d in pickler.buffer_digests:
             h.update(d)
-        return h.digest(), list(pickler.keys)
+        return h.digest(), list(pickler.keys), pickler.reads
 
-    def plan(self, values: dict[str, Any]) -> Plan:
-        """Pickle and hash every value; the first one that cannot be pickled is named."""
-        plan = Plan(values)
-        for name, value in values.items():
+    def plan(self, values: dict[str, Any], eligible: Callable[[str], bool] = lambda name: True) -> Plan:
+        """Pickle and hash every value, and every notebook name that their notebook
+        functions read or their notebook classes are bound to (transitively, where
+        `eligible`): a function the cell calls needs its globals on the workers, as a
+        script's `main()` does. The first value that cannot be pickled is named."""
+        plan = Plan({})
+        pending = [(name, value, None) for name, value in values.items()]
+        queued = set(values)
+        while pending:
+            name, value, via = pending.pop(0)
+            plan.values[name] = value
+            if via is not None:
+                plan.reached.append(name)
+            if self._owned.get(name) == ("object", id(value)):
+                plan.unchanged_owned.add(name)  # the workers' own; this one cannot be sent anyway
+                continue
             try:
-                plan.structure[name], plan.tensor_keys[name] = self._structure(value, plan.tensors)
+                plan.structure[name], plan.tensor_keys[name], reads = self._structure(value, plan.tensors)
             except Exception as exc:  # pickling raises many types: TypeError, PicklingError, ...
-                raise ShippingError(name, value, exc) from exc
+                raise ShippingError(name, value, exc, via) from exc
+            for read in sorted(reads - queued):
+                if self.namespace is not None and read in self.namespace and eligible(read):
+                    queued.add(read)
+                    pending.append((read, self.namespace[read], name))
         return plan
+
+    def workers_rebound(self, names: Iterable[str], plan: Plan) -> None:
+        """A cell bound (or deleted) `names` on the workers: their values there are the
+        workers' own until the notebook rebinds or changes its value (last writer wins)."""
+        for name in names:
+            if self.namespace is None or name not in self.namespace:
+                self._owned[name] = ("absent",)
+                continue
+            value = self.namespace[name]
+            if plan.values.get(name) is value and name in plan.structure:
+                self._owned[name] = ("structure", plan.structure[name])
+                continue
+            try:
+                self._owned[name] = ("structure", self._structure(value, {})[0])
+            except Exception:  # cannot be pickled: at least notice when it is rebound
+                self._owned[name] = ("object", id(value))
+
+    def _owned_unchanged(self, name: str, plan: Plan) -> bool:
+        """Whether the workers own `name` and the notebook's value is as it was then.
+
+        Only the structure counts: tensor bytes travel on their own, in place (the
+        pull-back writes the notebook's tensors, which must not make an optimizer that
+        holds them look rebound)."""
+        owned = self._owned.get(name)
+        if owned is None:
+            return False
+        if name in plan.unchanged_owned:
+            return True
+        return owned == ("structure", plan.structure[name])
 
     def _held_digest(self, key: int, obj: Any, state: _NameState | None) -> bytes | None:
         known = self._known.get(key)
@@ -518,17 +652,25 @@ class Shipper:
         self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
         updates: list[tuple[str, int]] = []  # (name, key) of tracked tensors to update
         for name, value in plan.values.items():
-            state = self._names.get(name)
-            keys = plan.tensor_keys[name]
-            same_structure = state is not None and state.structure == plan.structure[name]
-            untracked_changed = any(
-                key not in self._known and self._held_digest(key, plan.tensors[key][0], state) != plan.tensors[key][2]
-                for key in keys
-            )
-            if same_structure and not untracked_changed:
-                shipment.skipped.append(name)
-                updates.extend((name, key) for key in keys)
-                continue
+            if name in self._owned:
+                if self._owned_unchanged(name, plan):  # the workers' value stands
+                    shipment.skipped.append(name)
+                    updates.extend((name, key) for key in plan.tensor_keys.get(name, ()))
+                    continue
+                shipment.replaced.append(name)  # the notebook wrote it last: sent whole
+            else:
+                state = self._names.get(name)
+                keys = plan.tensor_keys[name]
+                same_structure = state is not None and state.structure == plan.structure[name]
+                untracked_changed = any(
+                    key not in self._known
+                    and self._held_digest(key, plan.tensors[key][0], state) != plan.tensors[key][2]
+                    for key in keys
+                )
+                if same_structure and not untracked_changed:
+                    shipment.skipped.append(name)
+                    updates.extend((name, key) for key in keys)
+                    continue
             try:
                 frames, tensor_frames = _frames(_ShipPickler, value, self, plan.tensors)
             except Exception as exc:  # the plan pickled it already; be safe all the same
@@ -579,6 +721,8 @@ class Shipper:
                 weakref.finalize(obj, self._forget, key, known.token)
             self._known[key] = known
         self._names.update(self._pending_names)
+        for name in self._pending_names:  # the notebook's value is what the workers hold
+            self._owned.pop(name, None)
         forgotten = set(shipment.forget)
         self._forgotten = [t for t in self._forgotten if t not in forgotten]
         self.discard()
@@ -590,7 +734,8 @@ class Shipper:
     def mark_synced(self, name: str, value: Any) -> None:
         """The workers hold what the notebook's `value` holds now (after a pull-back)."""
         tensors: dict = {}
-        structure, keys = self._structure(value, tensors)
+        structure, keys, _ = self._structure(value, tensors)
+        self._owned.pop(name, None)
         untracked = {}
         for key in keys:
             obj, _, digest, meta = tensors[key]
@@ -637,9 +782,11 @@ def _copy_into(held: torch.Tensor, meta: tuple, buffer) -> bool:
 class Receiver:
     """Worker side: one tensor per token, for as long as the notebook holds its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: dict | None = None) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
         self.device: torch.device | None = None
+        # The worker's namespace: the globals of the notebook's functions received here.
+        self.namespace = namespace if namespace is not None else {}
 
     def receive(self, request: dict, frames: tuple) -> dict:
         """Apply a Shipment: forget, unpickle the names, update tensors in place."""
@@ -656,6 +803,8 @@ class Receiver:
         return values
 
     def _resolve(self, pid):
+        if pid[0] == "ns":
+            return self.namespace
         kind, token = pid[0], pid[1]
         if kind == "ref":
             return self.tensors[token]
@@ -682,35 +831,41 @@ class Receiver:
 # --------------------------------------------------------------------------------------
 
 
-class _ValuePickler(cloudpickle.Pickler):
-    def __init__(self, file, buffers: list):
+class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
+    def __init__(self, file, namespace: dict | None, buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self._init_namespace(namespace)
         self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
-            return None
+            return self._namespace_id(obj)
         array, meta = _tensor_bytes(obj)
         self.tensor_buffers.append(pickle.PickleBuffer(array))
         return ("value", meta, self.tensor_buffers[-1])
 
 
 class _ValueUnpickler(pickle.Unpickler):
-    def __init__(self, file, buffers, copy: bool):
+    def __init__(self, file, buffers, copy: bool, namespace: dict | None):
         super().__init__(file, buffers=buffers)
         self.copy = copy
+        self.namespace = namespace if namespace is not None else {}
 
     def persistent_load(self, pid):
+        if pid[0] == "ns":
+            return self.namespace
         return _build_tensor(pid[1], pid[2], None, self.copy)
 
 
-def dumps(value: Any) -> tuple[list, list[bool]]:
+def dumps(value: Any, namespace: dict | None = None) -> tuple[list, list[bool]]:
     """Frames (stream, *buffers) of `value`, tensors by value, out of band; and which
-    frames hold a tensor's bytes."""
-    return _frames(_ValuePickler, value)
+    frames hold a tensor's bytes. Functions whose globals are `namespace` (the worker's)
+    travel without them and resolve them in the namespace `loads` is given."""
+    return _frames(_ValuePickler, value, namespace)
 
 
-def loads(stream, buffers, copy: bool = True) -> Any:
+def loads(stream, buffers, copy: bool = True, namespace: dict | None = None) -> Any:
     """The value of `dumps`' frames. With `copy=False` its tensors may share the frames'
-    memory (writable frames only): for a caller that copies them out at once."""
-    return _ValueUnpickler(io.BytesIO(stream), list(buffers), copy).load()
+    memory (writable frames only): for a caller that copies them out at once. Functions
+    that lived in the sender's namespace get `namespace` (the notebook's) as globals."""
+    return _ValueUnpickler(io.BytesIO(stream), list(buffers), copy, namespace).load()

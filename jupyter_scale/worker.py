@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,15 @@ from .metrics import EventSink, Recorder
 INJECTED_NAMES = ("rank", "world_size", "local_rank", "device", "report")
 
 
+def _main_module() -> types.ModuleType:
+    """The module whose namespace the cells run in. While a cell runs it is
+    `sys.modules["__main__"]`, as the notebook's namespace is in the kernel: pickling by
+    reference (`torch.save(model)` of a notebook class) finds `__main__.Net` there."""
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = __builtins__
+    return module
+
+
 @dataclass
 class _WorkerState:
     rank: int = 0
@@ -37,9 +47,10 @@ class _WorkerState:
     local_rank: int = 0
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    namespace: dict = field(default_factory=lambda: {"__name__": "__main__", "__builtins__": __builtins__})
+    main: types.ModuleType = field(default_factory=_main_module)
+    namespace: dict = field(init=False)  # main's __dict__
     recorder: Recorder = field(default_factory=Recorder)
-    receiver: shipping.Receiver = field(default_factory=shipping.Receiver)
+    receiver: shipping.Receiver = field(init=False)
     store: Any = None  # rank 0 hosts the TCPStore; it must outlive the group
     group_ready: bool = False
     group_sockets: set = field(default_factory=set)  # what abort_group cuts
@@ -51,6 +62,10 @@ class _WorkerState:
     collective: tuple | None = None  # (name, since) of the blocking collective the cell is in
     failed_in: str | None = None  # the collective the cell was in when it raised
     frames_out: Any = None  # sharedmem.SharedFrames: rank 0's pull-back through shared memory
+
+    def __post_init__(self) -> None:
+        self.namespace = self.main.__dict__
+        self.receiver = shipping.Receiver(self.namespace)
 
 
 _state = _WorkerState()
@@ -267,11 +282,14 @@ def _install_torchrun_compat() -> None:
     it joins a new group through our store (MASTER_PORT is taken by that store, so
     torchrun's env:// rendezvous would collide with it).
     """
-    import torch.distributed as dist
+    import functools
 
-    if getattr(dist.init_process_group, "_jupyter_scale", False):
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if getattr(c10d.init_process_group, "_jupyter_scale", False):
         return
-    original = dist.init_process_group
+    original = c10d.init_process_group
 
     def init_process_group(backend=None, init_method=None, timeout=None, *args, **kwargs):
         if dist.is_initialized():
@@ -284,9 +302,12 @@ def _install_torchrun_compat() -> None:
                                                       _state.world_size, _state.device, timeout=timeout)
         return None
 
+    functools.update_wrapper(init_process_group, original)  # pickles by reference, as the original
     init_process_group._jupyter_scale = True
-    init_process_group.__wrapped__ = original
-    init_process_group.__doc__ = original.__doc__
+    # Where the function lives and where `import torch.distributed as dist` finds it: a
+    # cell (or a notebook function) that did `from torch.distributed import
+    # init_process_group` gets it from the former when the name arrives from the notebook.
+    c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
 
 
@@ -304,6 +325,7 @@ def _install_collective_marks() -> None:
     import functools
 
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
     for name in _COLLECTIVES:
         original = getattr(dist, name, None)
@@ -327,6 +349,8 @@ def _install_collective_marks() -> None:
         functools.update_wrapper(marked, original)
         marked._jupyter_scale = True
         setattr(dist, name, marked)
+        if getattr(c10d, name, None) is original:  # also where `from torch.distributed import ...` resolves
+            setattr(c10d, name, marked)
 
 
 def _heartbeat_status() -> dict:
@@ -400,6 +424,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     started = time.time()
     rank = _state.rank
     received = False
+    before = None  # the namespace's bindings when the cell's code started
     buffers = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
@@ -428,7 +453,9 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")
-            exec(code, _state.namespace)
+            before = _bindings()
+            with _as_main():
+                exec(code, _state.namespace)
             if auto and training._distributed():  # the cell may have destroyed the group
                 # The kernel compares every rank's and asks for `sync_buffers` if any.
                 buffers = training.buffer_signatures(_state.namespace)
@@ -457,13 +484,13 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             counts = _close_events(sink, "failed", error=failure["etype"])
         return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
                  "received": received, "elapsed": failed_at - started,
-                 **counts},)
+                 "rebound": _rebound(before) if before is not None else [], **counts},)
     _flush()
     import torch.distributed as dist
 
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
-              "elapsed": time.time() - started, "buffers": buffers,
+              "elapsed": time.time() - started, "buffers": buffers, "rebound": _rebound(before),
               **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
@@ -476,6 +503,30 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             except OSError:  # out of memory there: the engine carries them
                 pass
     return (header, *out_frames)
+
+
+@contextmanager
+def _as_main():
+    """The cells' module is `__main__` while the cell runs (see _main_module); the engine's
+    own `__main__` is back afterwards."""
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = _state.main
+    try:
+        yield
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+
+
+def _bindings() -> dict[str, int]:
+    return {name: id(value) for name, value in _state.namespace.items() if not name.startswith("__")}
+
+
+def _rebound(before: dict[str, int]) -> list[str]:
+    """Names the cell bound, rebound or deleted (the kernel keeps them as the workers' own)."""
+    after = _bindings()
+    changed = {n for n, i in after.items() if before.get(n) != i} | (before.keys() - after.keys())
+    return sorted(changed - set(INJECTED_NAMES))
 
 
 def sync_buffers(names: list[str]) -> None:
@@ -504,7 +555,8 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
         try:
-            frames, tensors = shipping.dumps(value.state_dict() if kind == "state_dict" else value)
+            frames, tensors = shipping.dumps(value.state_dict() if kind == "state_dict" else value,
+                                             _state.namespace)
         except Exception as exc:  # pickling raises many types
             errors[name] = f"cannot be sent back: {type(exc).__name__}: {exc}"
             continue
@@ -518,7 +570,7 @@ def gather_value(name: str) -> tuple:
     """This worker's value of `name` (for Session.gather)."""
     if name not in _state.namespace:
         return ({"rank": _state.rank, "missing": True},)
-    return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name])[0])
+    return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name], _state.namespace)[0])
 
 
 def _connect_events(address: str | None) -> EventSink | None:

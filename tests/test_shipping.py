@@ -219,3 +219,90 @@ def test_by_value_frames_roundtrip():
     back = shipping.loads(frames[0], [bytes(f) for f in frames[1:]])
     assert back["n"] == 3 and all(torch.equal(back["state"][k], v) for k, v in state.items())
     assert back["array"].tolist() == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------
+# Notebook functions live in the receiving namespace; last writer wins
+# --------------------------------------------------------------------------------------
+
+
+class NotebookLink:
+    """A notebook namespace, a Shipper over it, and a worker namespace behind a Receiver."""
+
+    def __init__(self, source: str):
+        self.notebook: dict = {"__name__": "__main__"}
+        exec(source, self.notebook)
+        self.shipper = shipping.Shipper(self.notebook)
+        self.worker: dict = {"__name__": "__main__"}
+        self.receiver = shipping.Receiver(self.worker)
+
+    def send(self, *names):
+        plan = self.shipper.plan({n: self.notebook[n] for n in names})
+        shipment = self.shipper.prepare(plan)
+        request = {"names": shipment.names, "updates": shipment.updates, "forget": shipment.forget}
+        self.worker.update(self.receiver.receive(request, [bytes(memoryview(f)) for f in shipment.frames]))
+        self.shipper.commit(shipment)
+        return plan, shipment
+
+
+def test_a_notebook_function_reads_and_writes_the_receiving_namespace():
+    link = NotebookLink("step = 0.1\ncount = 0\ndef show():\n    return step\n"
+                        "def bump():\n    global count\n    count += 1\n")
+    plan, shipment = link.send("show", "bump")
+    assert sorted(plan.reached) == ["count", "step"]  # the globals they read travel as names
+    assert link.worker["show"].__globals__ is link.worker
+    link.worker["step"] = 0.5
+    assert link.worker["show"]() == 0.5
+    link.worker["bump"]()
+    assert link.worker["count"] == 1 and link.notebook["count"] == 0
+
+
+def test_globals_are_followed_through_functions_classes_and_instances():
+    link = NotebookLink("import math\nwidth = 3\nclass Block:\n    def size(self):\n        return width * helper()\n"
+                        "def helper():\n    return math.floor(factor)\nfactor = 2.5\nblock = Block()\n")
+    plan, _ = link.send("block")
+    assert set(plan.reached) == {"Block", "width", "helper", "math", "factor"}
+    assert link.worker["block"].size() == 6
+    assert type(link.worker["block"]) is link.worker["Block"]  # one class, as in the notebook
+
+
+def test_a_value_a_function_needs_that_cannot_be_sent_names_the_function():
+    link = NotebookLink("import threading\nlock = threading.Lock()\ndef guarded():\n    return lock\n")
+    with pytest.raises(ShippingError) as info:
+        link.send("guarded")
+    assert info.value.name == "lock" and info.value.via == "guarded"
+    assert "'lock'" in str(info.value) and "used by 'guarded'" in str(info.value)
+
+
+def test_a_name_the_workers_rebound_is_theirs_until_the_notebook_changes_it():
+    link = NotebookLink("sched = {'lr': 1.0, 'epoch': 0}\n")
+    plan, _ = link.send("sched")
+    link.worker["sched"] = {"lr": 0.125, "epoch": 3}  # a distributed cell rebuilt it
+    link.shipper.workers_rebound(["sched"], plan)
+    plan, shipment = link.send("sched")
+    assert shipment.names == [] and shipment.replaced == []
+    assert link.worker["sched"] == {"lr": 0.125, "epoch": 3}
+    link.notebook["sched"]["epoch"] = 1  # the notebook writes it: the notebook's wins, and says so
+    plan, shipment = link.send("sched")
+    assert shipment.replaced == ["sched"]
+    assert link.worker["sched"] == {"lr": 1.0, "epoch": 1}
+    plan, shipment = link.send("sched")  # and it is the notebook's again: unchanged, not sent
+    assert shipment.names == [] and shipment.replaced == []
+
+
+def test_a_name_only_the_workers_had_is_replaced_when_the_notebook_defines_it():
+    link = NotebookLink("")
+    plan, _ = link.send()
+    link.shipper.workers_rebound(["lr"], plan)
+    link.notebook["lr"] = 0.01
+    _, shipment = link.send("lr")
+    assert shipment.replaced == ["lr"]
+
+
+def test_pulled_values_resolve_functions_in_the_notebook():
+    worker = {"__name__": "__main__"}
+    exec("scale = 2\ndef double(x):\n    return x * scale\n", worker)
+    frames, _ = shipping.dumps(worker["double"], worker)
+    notebook = {"scale": 10}
+    back = shipping.loads(frames[0], frames[1:], namespace=notebook)
+    assert back.__globals__ is notebook and back(1) == 10
