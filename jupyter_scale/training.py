@@ -63,6 +63,17 @@ class EpochAwareSampler(DistributedSampler):
         super().__init__(*args, **kwargs)
         self._next_epoch = 0
         self._explicit = False
+        self.automatic = False  # put in by automatic mode, not asked for with shard()
+
+    def pass_through(self) -> None:
+        """Stop sharding: every rank draws all of the dataset, in the same order.
+
+        For a sampler that a library's own distributing wrapper (accelerate's
+        BatchSamplerShard) splits: that split must be the only one. Same seed and epoch on
+        every rank, so the wrapper sees one order everywhere, as it expects; no padding.
+        """
+        self.num_replicas, self.rank = 1, 0
+        self.num_samples = self.total_size = len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -108,6 +119,8 @@ def shard(data: Any, *, shuffle: bool | None = None, seed: int = 0, drop_last: b
     """
     if not _distributed():
         return data
+    if _active is not None:  # the cell splits its data: automatic mode has nothing to point out
+        _active._distributed_work = True
     if isinstance(data, DataLoader):
         return _shard_loader(data, shuffle=shuffle, seed=seed, drop_last=drop_last)
     if isinstance(data, IterableDataset):
@@ -217,6 +230,58 @@ def _buckets(params: list[torch.Tensor]):
 
 
 _active: "AutoMode | None" = None  # the automatic mode of the cell running now, if any
+# > 0 while automatic mode runs collectives that are not the cell's: resync, before the
+# cell's code (its gradient averaging needs no exclusion: that is distribution anyway).
+_own_collectives = 0
+
+
+def note_collective() -> None:
+    """A torch.distributed collective was called (the worker's collective marks tell us)."""
+    if _active is not None and not _own_collectives:
+        _active._distributed_work = True  # the cell combines something across ranks itself
+
+
+def _sampler_chain(*samplers) -> list:
+    """The samplers a loader draws from: each, then what it wraps (`.batch_sampler`, `.sampler`).
+
+    Libraries wrap samplers in their own (accelerate: BatchSamplerShard around the loader's
+    BatchSampler around its sampler); only attributes tell what is inside.
+    """
+    chain: list = []
+    todo = list(samplers)
+    while todo and len(chain) < 16:  # a few deep; the cap stops attributes that build new objects
+        sampler = todo.pop(0)
+        if sampler is None or any(sampler is seen for seen in chain):
+            continue
+        chain.append(sampler)
+        todo += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
+    return chain
+
+
+def _splits(sampler) -> bool:
+    """Whether a sampler splits the data across ranks by itself (duck-typed).
+
+    A DistributedSampler (and Lightning's, which derive from it) says so with
+    `num_replicas`, accelerate's BatchSamplerShard with `num_processes`.
+    """
+    return any(isinstance(n, int) and n > 1
+               for n in (getattr(sampler, "num_replicas", None), getattr(sampler, "num_processes", None)))
+
+
+def _leave_split_to_wrapper(loader: DataLoader) -> None:
+    """A new loader wraps a sampler we put in inside one that splits by itself: ours passes through.
+
+    accelerate's `prepare` (the Hugging Face Trainer's too) builds a new loader around the
+    old one's batch sampler; sharded twice, each rank would see 1/world² of the data.
+    """
+    chain = _sampler_chain(loader.batch_sampler, loader.sampler)
+    if any(_splits(s) and not _injected(s) for s in chain):
+        for sampler in filter(_injected, chain):
+            sampler.pass_through()
+
+
+def _injected(sampler) -> bool:
+    return isinstance(sampler, EpochAwareSampler) and sampler.automatic
 
 
 def _install_patches() -> None:
@@ -228,6 +293,7 @@ def _install_patches() -> None:
     """
     if getattr(DataLoader.__init__, "_jupyter_scale", False):
         return
+    import functools
     import inspect
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -246,9 +312,31 @@ def _install_patches() -> None:
                 a["sampler"], a["shuffle"] = sampler, None
             args, kwargs = bound.args[1:], bound.kwargs
         original_loader_init(loader, *args, **kwargs)
+        # Also outside automatic cells: a sampler we put in earlier must not split a second time.
+        _leave_split_to_wrapper(loader)
 
     loader_init._jupyter_scale = True
     DataLoader.__init__ = loader_init
+
+    original_loader_iter = DataLoader.__iter__
+
+    @functools.wraps(original_loader_iter)
+    def loader_iter(loader):
+        if _active is not None:
+            _active._iterating(loader)
+        return original_loader_iter(loader)
+
+    DataLoader.__iter__ = loader_iter
+
+    original_backward = torch.autograd.backward
+
+    @functools.wraps(original_backward)
+    def backward(*args, **kwargs):  # Tensor.backward() calls it too
+        if _active is not None:
+            _active._backward = True
+        return original_backward(*args, **kwargs)
+
+    torch.autograd.backward = backward
 
     original_ddp_init = DistributedDataParallel.__init__
 
@@ -285,8 +373,20 @@ def _register_ddp(ddp: DistributedDataParallel) -> None:
 
     def mark_used(module, inputs):
         module._jupyter_scale_used = True
+        if _active is not None:
+            _active._distributed_work = True  # DDP averages in backward
 
     ddp.register_forward_pre_hook(mark_used)
+
+
+OWN_SAMPLER = ("jupyter_scale: a DataLoader with its own sampler is not sharded automatically; every rank "
+               "iterates all of it (use a DistributedSampler, jupyter_scale.shard(loader), or --manual)")
+ITERABLE = ("jupyter_scale: a DataLoader over an IterableDataset is not sharded automatically; every rank "
+            "iterates all of it (split the stream by `rank` and `world_size` in the dataset)")
+NOTHING_DISTRIBUTED = (
+    "jupyter_scale: this cell computed gradients but sharded no DataLoader and averaged no gradients, "
+    "so every rank did the same work alone. To split it, draw batches from a DataLoader (or "
+    "jupyter_scale.shard(...)) and update with a torch.optim optimizer; --manual silences this.")
 
 
 class AutoMode:
@@ -301,6 +401,9 @@ class AutoMode:
         self.namespace = namespace if namespace is not None else {}
         self._warned: set[str] = set()
         self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
+        self._backward = False  # a backward pass ran in the cell
+        # A loader was sharded, gradients were averaged or the cell ran a collective itself.
+        self._distributed_work = False
 
     def __enter__(self) -> "AutoMode":
         global _active
@@ -314,42 +417,54 @@ class AutoMode:
         _active = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         global _active
         _active = None
+        if exc_type is None and self._backward and not self._distributed_work:
+            # Hand-made batches and a hand-written update (the PyTorch word language model
+            # example): nothing for automatic mode to hook, so the ranks repeat each other.
+            self._warn(NOTHING_DISTRIBUTED)
 
     # -- DataLoaders ---------------------------------------------------------------
     def _sampler_for(self, dataset, sampler, batch_sampler, shuffle):
         """An epoch-aware DistributedSampler for a loader that has no sampler of its own."""
         if getattr(dataset, "_jupyter_scale_shard", False):
             return None  # shard(dataset) already gave this rank its part
-        if isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
-                                                                   DistributedSampler):
-            return None
-        if sampler is not None or batch_sampler is not None:
-            self._warn_once("sampler", "jupyter_scale: a DataLoader with its own sampler is not sharded "
-                            "automatically; every rank iterates all of it (use DistributedSampler or --manual)")
-            return None
-        if isinstance(dataset, IterableDataset):
-            self._warn_once("iterable", "jupyter_scale: a DataLoader over an IterableDataset is not sharded "
-                            "automatically; split the stream by `rank` and `world_size` in the dataset")
-            return None
+        if sampler is not None or batch_sampler is not None or isinstance(dataset, IterableDataset):
+            return None  # left alone; said if the cell iterates it undistributed (see _iterating)
         # drop_last=False: the last shard is padded with a few repeated samples, so every
         # rank runs the same number of steps (their collectives must pair up).
-        return EpochAwareSampler(dataset, shuffle=bool(shuffle), seed=self.seed, drop_last=False)
+        sampler = EpochAwareSampler(dataset, shuffle=bool(shuffle), seed=self.seed, drop_last=False)
+        sampler.automatic = True
+        return sampler
 
     def shard_shipped(self, value):
         """A DataLoader sent from the notebook is sharded like one built in the cell."""
         if not isinstance(value, DataLoader) or value.batch_size is None:
             return value
         if type(value.sampler) not in (SequentialSampler, RandomSampler):
-            sampler = value.sampler  # its own sampler: left alone (with the warning)
+            sampler = value.sampler  # its own sampler: left alone (warned about if iterated)
         else:
             sampler = None
         sharded = self._sampler_for(value.dataset, sampler, None, isinstance(value.sampler, RandomSampler))
         if sharded is None:
             return value
         return DataLoader(value.dataset, sampler=sharded, **_loader_options(value))
+
+    def _iterating(self, loader: DataLoader) -> None:
+        """A pass over a loader begins: is this rank's share of it split off?
+
+        Judged here, not when the loader is built: a library may build a loader with its
+        own sampler and then iterate only its own distributing wrapper of it (accelerate).
+        """
+        chain = _sampler_chain(loader.batch_sampler, loader.sampler)
+        # A dataset splits too: shard(dataset)'s Subset, accelerate's IterableDatasetShard.
+        if getattr(loader.dataset, "_jupyter_scale_shard", False) or any(map(_splits, [*chain, loader.dataset])):
+            self._distributed_work = True
+        elif isinstance(loader.dataset, IterableDataset):
+            self._warn_once("iterable", ITERABLE)
+        elif not any(map(_injected, chain)):  # ours, passing through for a wrapper: not its own
+            self._warn_once("sampler", OWN_SAMPLER)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -362,6 +477,7 @@ class AutoMode:
         # by DDP during backward; a DDP model that is merely alive changes nothing.
         skip = {id(p) for ddp in list(DDP_MODELS) if getattr(ddp, "_jupyter_scale_used", False)
                 for p in ddp.parameters()}
+        self._distributed_work = True
         _average_gradients(params, skip)
 
     def _before_step(self, optimizer, args, kwargs):
@@ -440,12 +556,17 @@ def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
     Only names that every rank holds with the same tensor names, shapes and dtypes take
     part (a collective needs the same calls on every rank). Returns those names.
     """
+    global _own_collectives
     named = _named_tensors(namespace, tensors_of)
     signatures = _signatures(named)
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, signatures)
-    common = [n for n in sorted(named) if all(other.get(n) == signatures[n] for other in everyone)]
-    _broadcast(named, common)
+    _own_collectives += 1  # resync runs inside the automatic-mode cell, before the cell's code
+    try:
+        dist.all_gather_object(everyone, signatures)
+        common = [n for n in sorted(named) if all(other.get(n) == signatures[n] for other in everyone)]
+        _broadcast(named, common)
+    finally:
+        _own_collectives -= 1
     return common
 
 

@@ -234,6 +234,10 @@ def join_group(layout: dict) -> dict:
     _state.recorder = Recorder(rank=rank)
     rendezvous.set_torchrun_env(rank, world_size, _state.local_rank, _state.local_world_size,
                                 layout["master_addr"], layout["master_port"])
+    if _state.device.type == "cpu":
+        # As `accelerate launch --cpu` does: without it accelerate (the Hugging Face Trainer)
+        # takes a machine without a GPU for one process, and every rank trains on all the data.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "True")
     if "OMP_NUM_THREADS" not in os.environ:
         # Like torchrun, don't let N workers on one host each claim every core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // _state.local_world_size))
@@ -333,6 +337,7 @@ def _install_collective_marks() -> None:
             continue
 
         def marked(*args, _original=original, _name=name, **kwargs):
+            training.note_collective()  # automatic mode: the cell combines across ranks itself
             if kwargs.get("async_op") or _state.collective is not None:
                 return _original(*args, **kwargs)
             _state.collective = (_name, time.time())
