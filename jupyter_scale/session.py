@@ -137,7 +137,7 @@ class ScaleSession(LoggingConfigurable):
         self.workers: list[dict] = []  # describe() of each rank
         self.group: dict = {}  # backend, master address/port of the current process group
         self.runs: list[RunRecord] = []
-        self.shipper = shipping.Shipper(self.namespace)  # what the workers hold of the notebook's values
+        self.shipper = shipping.Shipper(self.namespace, self._shippable)  # what the workers hold of the notebook's values
         self.shared_memory = False  # large frames go through shared memory (see _form_group)
         self._frames_out: sharedmem.SharedFrames | None = None  # the kernel's, for large frames
         self._group_ready = False
@@ -332,7 +332,7 @@ class ScaleSession(LoggingConfigurable):
         self.workers = []
         self.group = {}
         self.shared_memory = False
-        self.shipper = shipping.Shipper(self.namespace)
+        self.shipper = shipping.Shipper(self.namespace, self._shippable)
         self._group_ready = False
         self._resync = False
 
@@ -397,7 +397,7 @@ class ScaleSession(LoggingConfigurable):
         names = self._names_to_ship(code)
         # Pickle before any worker runs: an unpicklable value fails here, naming it. The
         # plan adds the names that the notebook functions the cell calls read.
-        plan = self.shipper.plan({n: self.namespace[n] for n in names}, self._shippable)
+        plan = self.shipper.plan({n: self.namespace[n] for n in names})
         names = list(plan.values)
         self.ensure(workers)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size,
@@ -745,24 +745,30 @@ class ScaleSession(LoggingConfigurable):
 
     def _apply_pulls(self, header: dict, frames: tuple, record: RunRecord) -> None:
         at = 0
-        for name, kind, count in header.get("pulled", []):
+        held = None
+        for names, kind, count in header.get("pulled", []):
             stream, buffers = frames[at], frames[at + 1: at + count]
             at += count
             try:
-                # A state dict is copied into the notebook's model at once: no copy before.
-                value = shipping.loads(stream, buffers, copy=kind != "state_dict", namespace=self.namespace)
                 if kind == "state_dict":
+                    # Copied into the notebook's model at once: no copy before.
+                    value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
                     with torch.no_grad():
-                        self.namespace[name].load_state_dict(value)
+                        self.namespace[names[0]].load_state_dict(value)
+                    values = {}
                 else:
-                    self.namespace[name] = value
+                    # The tensors the notebook sent are written into the notebook's own.
+                    held = self.shipper.held_tensors() if held is None else held
+                    values = shipping.loads(stream, buffers, namespace=self.namespace, held=held)
+                    self.namespace.update(values)
             except Exception as exc:  # e.g. the architecture changed, or a class is missing here
-                print(f"jupyter_scale: could not pull {name!r} back: {type(exc).__name__}: {exc}",
+                print(f"jupyter_scale: could not pull {_listed(names)} back: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
                 continue
-            record.pulled.append(name)
-            # The notebook now holds what the workers hold: don't send it back unchanged.
-            self.shipper.mark_synced(name, self.namespace[name])
+            for name in names:
+                record.pulled.append(name)
+                # The notebook now holds what the workers hold: don't send it back unchanged.
+                self.shipper.mark_synced(name, self.namespace[name])
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
 

@@ -24,6 +24,10 @@ globals, so it reads and writes the names there at call time, as it does in the 
 (`Plan` follows them, transitively), and so do the notebook classes of the values sent,
 so that `__main__.Net` means the same class on the workers as in the notebook.
 
+Objects the notebook's names share stay shared: the names a cell sends travel in one
+pickle stream with one memo, and an object of another name met inside a value (a
+scheduler's optimizer) is a reference to that name when the workers hold it already.
+
 Last writer wins: a name that a distributed cell bound on the workers is theirs until
 the notebook rebinds or changes it (`Shipper.workers_rebound`); only then is the
 notebook's value sent over it, and the cell says so (`Shipment.replaced`).
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import ast
 import dis
+import enum
+import functools
 import io
 import itertools
 import pickle
 import weakref
 from dataclasses import dataclass, field
-from types import CodeType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Iterable
 
 import cloudpickle
@@ -391,8 +397,25 @@ def global_names(code: CodeType) -> set[str]:
     return names
 
 
+# Values whose identity nothing can depend on (immutable atoms), that travel by reference
+# anyway (classes, modules, dtypes), or by identity token already (tensors).
+_NO_IDENTITY = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset, range, slice,
+                type, ModuleType, enum.Enum, torch.dtype, torch.device, torch.Tensor)
+
+
+def _shared_by_identity(value: Any, namespace: dict) -> bool:
+    """Whether another value holding `value` must hold the very same object on the workers:
+    an optimizer that a scheduler steps, a model that a trainer wraps, a list a function
+    appends to, a notebook function kept in a list of callbacks."""
+    if isinstance(value, _NO_IDENTITY):
+        return False
+    if callable(value) and not isinstance(value, FunctionType) and type(value).__module__ == "builtins":
+        return False  # builtins and their bound methods travel by reference
+    return not isinstance(value, FunctionType) or value.__globals__ is namespace
+
+
 class _NamespaceFunctions:
-    """A pickler mixin: functions whose globals are `namespace` travel without them.
+    """A pickler mixin: values that live in the namespace stay the namespace's.
 
     cloudpickle gives a function defined in `__main__` a private copy of the globals it
     reads; on the workers it would then see the notebook's values of the moment it was
@@ -403,13 +426,22 @@ class _NamespaceFunctions:
     reads are collected in `reads` (and sent as names of their own by the Shipper), and
     so are the notebook classes met on the way, which the receiving `__main__` must hold
     for pickling by reference (`torch.save(model)`) to find them.
+
+    Likewise an object that is the value of another notebook name (`named`: id -> name),
+    met inside the value pickled (a scheduler's optimizer), is a reference to that name
+    ("name", ...), recorded in `refs`, unless it is pickled here by value (`inline`):
+    on the workers `scheduler.optimizer is optimizer` holds as in the notebook.
     """
 
     namespace: dict | None = None
 
-    def _init_namespace(self, namespace: dict | None) -> None:
+    def _init_namespace(self, namespace: dict | None, named: dict[int, str] | None = None,
+                        inline: set[int] = frozenset()) -> None:
         self.namespace = namespace
+        self.named = named or {}
+        self.inline = inline
         self.reads: set[str] = set()
+        self.refs: set[str] = set()
 
     def _dynamic_function_reduce(self, func):
         if self.namespace is None or func.__globals__ is not self.namespace:
@@ -418,7 +450,7 @@ class _NamespaceFunctions:
         state, slotstate = _cloudpickle._function_getstate(func)
         slotstate["__globals__"] = {}  # never written over the receiving namespace's names
         self.reads |= global_names(code)
-        # The namespace pickles as a persistent reference (see `persistent_id`).
+        # The namespace pickles as a persistent reference (see `_namespace_ref`).
         return (_cloudpickle._make_function, (code, func.__globals__, None, None, closure),
                 (state, slotstate), None, None, _cloudpickle._function_setstate)
 
@@ -428,8 +460,14 @@ class _NamespaceFunctions:
             self.reads.add(obj.__qualname__)
         return super().reducer_override(obj)
 
-    def _namespace_id(self, obj):
-        return ("ns",) if self.namespace is not None and obj is self.namespace else None
+    def _namespace_ref(self, obj):
+        if self.namespace is not None and obj is self.namespace:
+            return ("ns",)
+        name = self.named.get(id(obj))
+        if name is not None and id(obj) not in self.inline:
+            self.refs.add(name)
+            return ("name", name)
+        return None
 
 
 # --------------------------------------------------------------------------------------
@@ -463,8 +501,13 @@ class Plan:
     structure: dict[str, bytes] = field(default_factory=dict)
     tensor_keys: dict[str, list[int]] = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)  # id -> (tensor, array, digest, meta)
-    # Names reached only through notebook functions and classes (not read by the cell itself).
+    # Names reached only through notebook functions and classes, or held by other values
+    # (not read by the cell itself).
     reached: list[str] = field(default_factory=list)
+    # name -> the other names whose objects its value holds (a scheduler: its optimizer).
+    refs: dict[str, set[str]] = field(default_factory=dict)
+    # id -> name of the notebook's values that other values hold by reference, as planned.
+    named: dict[int, str] = field(default_factory=dict)
     # Names the workers own whose notebook value cannot be pickled and is the same object as
     # when they took it: nothing to compare, nothing to send.
     unchanged_owned: set[str] = field(default_factory=set)
@@ -474,7 +517,9 @@ class Plan:
 class Shipment:
     """What one cell sends: changed names, in-place tensor updates, and their frames."""
 
-    names: list[tuple[str, int]] = field(default_factory=list)  # (name, frame count)
+    # (name, count of out-of-band buffers): the names share one pickle stream (the first
+    # frame), unpickled in this order, so that an object two of them hold stays one object.
+    names: list[tuple[str, int]] = field(default_factory=list)
     updates: list[tuple[int, tuple]] = field(default_factory=list)  # (token, meta), one frame each
     frames: list = field(default_factory=list)
     tensor_frames: list[bool] = field(default_factory=list)  # per frame: a tensor's bytes?
@@ -488,9 +533,11 @@ class Shipment:
 class _StructurePickler(_NamespaceFunctions, cloudpickle.Pickler):
     """Pickles for the structure digest: each tensor is (identity, dtype/shape), no bytes."""
 
-    def __init__(self, file, tensors: dict, namespace: dict | None = None):
+    def __init__(self, file, tensors: dict, namespace: dict | None = None, named: dict | None = None,
+                 root: Any = None):
         super().__init__(file, protocol=5, buffer_callback=self._hash_buffer)
-        self._init_namespace(namespace)
+        # Other names' values are references; the value's own object is not.
+        self._init_namespace(namespace, named, {id(root)})
         self.tensors = tensors  # id -> (tensor, array, digest, meta), shared with _ShipPickler
         self.keys: dict[int, None] = {}  # ids in first-seen order (an ordered set)
         self.buffer_digests: list[bytes] = []
@@ -508,7 +555,7 @@ class _StructurePickler(_NamespaceFunctions, cloudpickle.Pickler):
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
-            return self._namespace_id(obj)
+            return self._namespace_ref(obj)
         found = self.tensors.get(id(obj))
         if found is None:
             array, meta = _tensor_bytes(obj)
@@ -530,18 +577,19 @@ def _frames(pickler_class, value: Any, *args) -> tuple[list, list[bool]]:
 
 
 class _ShipPickler(_NamespaceFunctions, cloudpickle.Pickler):
-    """Pickles for the workers: each tensor becomes a reference to its token."""
+    """Pickles for the workers: each tensor becomes a reference to its token, and each
+    object of a name that is not sent (the workers hold it) a reference to the name."""
 
-    def __init__(self, file, shipper: "Shipper", tensors: dict, buffers: list):
+    def __init__(self, file, shipper: "Shipper", plan: "Plan", sent: list[str], buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self._init_namespace(shipper.namespace)
+        self._init_namespace(shipper.namespace, plan.named, {id(plan.values[n]) for n in sent})
         self.shipper = shipper
-        self.tensors = tensors
+        self.tensors = plan.tensors
         self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
-            return self._namespace_id(obj)
+            return self._namespace_ref(obj)
         pid = self.shipper._reference(obj, self.tensors)
         if pid[0] != "ref":
             self.tensor_buffers.append(pid[3])
@@ -555,14 +603,19 @@ class Shipper:
     object, an attribute, a shape) or when a tensor the registry does not track changed.
     A tracked tensor whose bytes changed is sent alone and updated in place, so objects
     holding it on the workers (an optimizer holding a model's parameters) keep working.
-    `plan` pickles and hashes; `prepare` builds the shipment; `commit` records it once
-    every worker received it (a failed delivery is simply prepared again next time).
+    A name whose value holds another name's object is sent again with that name, so that
+    it holds the workers' new object. `plan` pickles and hashes; `prepare` builds the
+    shipment; `commit` records it once every worker received it (a failed delivery is
+    simply prepared again next time).
     """
 
-    def __init__(self, namespace: dict | None = None) -> None:
+    def __init__(self, namespace: dict | None = None,
+                 eligible: Callable[[str], bool] = lambda name: not name.startswith("__")) -> None:
         # The notebook's namespace: its functions travel without their globals, which
-        # are followed and sent as names (see _NamespaceFunctions).
+        # are followed and sent as names (see _NamespaceFunctions); so do the names whose
+        # objects other values hold. `eligible` says which of its names may travel.
         self.namespace = namespace
+        self.eligible = eligible
         self._known: dict[int, _Known] = {}  # id(tensor) -> what the workers hold
         self._names: dict[str, _NameState] = {}
         # Names the workers bound themselves -> the notebook's value as it was then:
@@ -574,24 +627,35 @@ class Shipper:
         self._pending_names: dict[str, _NameState] = {}
         self._in_shipment: dict[int, int] = {}  # id -> token, within one prepare()
 
-    def _structure(self, value: Any, tensors: dict) -> tuple[bytes, list[int], set[str]]:
-        """The value's structure digest, its tensors' ids, and the notebook names its
-        functions and classes reach."""
+    def _named(self) -> dict[int, str]:
+        """id -> name of the notebook's values that other values may hold (the first name
+        of an object bound to several)."""
+        named: dict[int, str] = {}
+        for name, value in (self.namespace or {}).items():
+            if self.eligible(name) and _shared_by_identity(value, self.namespace):
+                named.setdefault(id(value), name)
+        return named
+
+    def _structure(self, value: Any, tensors: dict,
+                   named: dict[int, str] | None = None) -> tuple[bytes, list[int], set[str], set[str]]:
+        """The value's structure digest, its tensors' ids, the notebook names its functions
+        and classes reach, and the names whose objects it holds (by reference)."""
         file = io.BytesIO()
-        pickler = _StructurePickler(file, tensors, self.namespace)
+        pickler = _StructurePickler(file, tensors, self.namespace, self._named() if named is None else named, value)
         pickler.dump(value)
         h = xxhash.xxh3_128(file.getvalue())
         h.update(repr(id(value)).encode())  # a new object is a new value, even if equal
         for d in pickler.buffer_digests:
             h.update(d)
-        return h.digest(), list(pickler.keys), pickler.reads
+        return h.digest(), list(pickler.keys), pickler.reads, pickler.refs
 
-    def plan(self, values: dict[str, Any], eligible: Callable[[str], bool] = lambda name: True) -> Plan:
-        """Pickle and hash every value, and every notebook name that their notebook
-        functions read or their notebook classes are bound to (transitively, where
-        `eligible`): a function the cell calls needs its globals on the workers, as a
-        script's `main()` does. The first value that cannot be pickled is named."""
-        plan = Plan({})
+    def plan(self, values: dict[str, Any]) -> Plan:
+        """Pickle and hash every value, and every eligible notebook name that their
+        notebook functions read, their notebook classes are bound to, or whose object
+        they hold (transitively): a function the cell calls needs its globals on the
+        workers, as a script's `main()` does, and a scheduler its optimizer. The first
+        value that cannot be pickled is named."""
+        plan = Plan({}, named=self._named())
         pending = [(name, value, None) for name, value in values.items()]
         queued = set(values)
         while pending:
@@ -603,11 +667,12 @@ class Shipper:
                 plan.unchanged_owned.add(name)  # the workers' own; this one cannot be sent anyway
                 continue
             try:
-                plan.structure[name], plan.tensor_keys[name], reads = self._structure(value, plan.tensors)
+                plan.structure[name], plan.tensor_keys[name], reads, plan.refs[name] = self._structure(
+                    value, plan.tensors, plan.named)
             except Exception as exc:  # pickling raises many types: TypeError, PicklingError, ...
                 raise ShippingError(name, value, exc, via) from exc
-            for read in sorted(reads - queued):
-                if self.namespace is not None and read in self.namespace and eligible(read):
+            for read in sorted((reads | plan.refs[name]) - queued):
+                if self.namespace is not None and read in self.namespace and self.eligible(read):
                     queued.add(read)
                     pending.append((read, self.namespace[read], name))
         return plan
@@ -615,6 +680,7 @@ class Shipper:
     def workers_rebound(self, names: Iterable[str], plan: Plan) -> None:
         """A cell bound (or deleted) `names` on the workers: their values there are the
         workers' own until the notebook rebinds or changes its value (last writer wins)."""
+        named = self._named()
         for name in names:
             if self.namespace is None or name not in self.namespace:
                 self._owned[name] = ("absent",)
@@ -624,7 +690,7 @@ class Shipper:
                 self._owned[name] = ("structure", plan.structure[name])
                 continue
             try:
-                self._owned[name] = ("structure", self._structure(value, {})[0])
+                self._owned[name] = ("structure", self._structure(value, {}, named)[0])
             except Exception:  # cannot be pickled: at least notice when it is rebound
                 self._owned[name] = ("object", id(value))
 
@@ -647,51 +713,79 @@ class Shipper:
             return known.digest
         return state.tensor_digests.get(key) if state else None
 
+    def _unchanged(self, name: str, plan: Plan) -> bool:
+        """Whether the workers hold `name` as the notebook has it (bar tracked tensors' bytes)."""
+        state = self._names.get(name)
+        if state is None or state.structure != plan.structure[name]:
+            return False
+        return not any(
+            key not in self._known
+            and self._held_digest(key, plan.tensors[key][0], state) != plan.tensors[key][2]
+            for key in plan.tensor_keys[name]
+        )
+
     def prepare(self, plan: Plan) -> Shipment:
         shipment = Shipment(forget=list(self._forgotten))
         self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
-        updates: list[tuple[str, int]] = []  # (name, key) of tracked tensors to update
-        for name, value in plan.values.items():
+        sent: list[str] = []
+        kept: list[str] = []  # held by the workers as the notebook has it
+        for name in plan.values:
             if name in self._owned:
                 if self._owned_unchanged(name, plan):  # the workers' value stands
                     shipment.skipped.append(name)
-                    updates.extend((name, key) for key in plan.tensor_keys.get(name, ()))
                     continue
                 shipment.replaced.append(name)  # the notebook wrote it last: sent whole
+                sent.append(name)
+            elif self._unchanged(name, plan):
+                kept.append(name)
             else:
-                state = self._names.get(name)
-                keys = plan.tensor_keys[name]
-                same_structure = state is not None and state.structure == plan.structure[name]
-                untracked_changed = any(
-                    key not in self._known
-                    and self._held_digest(key, plan.tensors[key][0], state) != plan.tensors[key][2]
-                    for key in keys
-                )
-                if same_structure and not untracked_changed:
-                    shipment.skipped.append(name)
-                    updates.extend((name, key) for key in keys)
+                sent.append(name)
+        # A kept value that holds a sent name's object would keep holding the workers'
+        # old one: it goes again, and shares the new one through the pickle's memo.
+        grown = True
+        while grown:
+            grown = False
+            for name in kept:
+                if plan.refs.get(name, set()) & set(sent):
+                    kept.remove(name)
+                    sent.append(name)
+                    grown = True
+                    break
+        shipment.skipped.extend(kept)
+        sent.sort(key=list(plan.values).index)
+        if sent:
+            self._pickle(plan, sent, shipment)
+        for name in shipment.skipped:  # tracked tensors travel alone, updated in place
+            for key in plan.tensor_keys.get(name, ()):
+                obj, array, digest, meta = plan.tensors[key]
+                known = self._known.get(key)
+                if key in self._in_shipment or known is None or known.ref() is not obj or known.digest == digest:
                     continue
-            try:
-                frames, tensor_frames = _frames(_ShipPickler, value, self, plan.tensors)
-            except Exception as exc:  # the plan pickled it already; be safe all the same
-                raise ShippingError(name, value, exc) from exc
-            shipment.names.append((name, len(frames)))
-            shipment.frames.extend(frames)
-            shipment.tensor_frames.extend(tensor_frames)
-            shipment.nbytes[name] = sum(memoryview(f).nbytes for f in frames)
-            self._pending_names[name] = _NameState(plan.structure[name], {})
-        for name, key in updates:
-            obj, array, digest, meta = plan.tensors[key]
-            known = self._known.get(key)
-            if key in self._in_shipment or known is None or known.ref() is not obj or known.digest == digest:
-                continue
-            self._in_shipment[key] = known.token
-            self._pending_tensors[key] = _Known(known.token, known.ref, digest, meta)
-            shipment.updates.append((known.token, meta))
-            shipment.frames.append(memoryview(array))
-            shipment.tensor_frames.append(True)
-            shipment.nbytes[name] = shipment.nbytes.get(name, 0) + array.nbytes
+                self._in_shipment[key] = known.token
+                self._pending_tensors[key] = _Known(known.token, known.ref, digest, meta)
+                shipment.updates.append((known.token, meta))
+                shipment.frames.append(memoryview(array))
+                shipment.tensor_frames.append(True)
+                shipment.nbytes[name] = shipment.nbytes.get(name, 0) + array.nbytes
         return shipment
+
+    def _pickle(self, plan: Plan, sent: list[str], shipment: Shipment) -> None:
+        """The sent names, one after another into one stream, with one memo."""
+        buffers: list[pickle.PickleBuffer] = []
+        file = io.BytesIO()
+        pickler = _ShipPickler(file, self, plan, sent, buffers)
+        for name in sent:
+            start, first = file.tell(), len(buffers)
+            try:
+                pickler.dump(plan.values[name])
+            except Exception as exc:  # the plan pickled it already; be safe all the same
+                raise ShippingError(name, plan.values[name], exc) from exc
+            shipment.names.append((name, len(buffers) - first))
+            shipment.nbytes[name] = file.tell() - start + sum(b.raw().nbytes for b in buffers[first:])
+            self._pending_names[name] = _NameState(plan.structure[name], {})
+        tensor_buffers = {id(b) for b in pickler.tensor_buffers}
+        shipment.frames[:0] = [file.getvalue(), *(b.raw() for b in buffers)]
+        shipment.tensor_frames[:0] = [False, *(id(b) in tensor_buffers for b in buffers)]
 
     def _reference(self, obj: torch.Tensor, tensors: dict):
         key = id(obj)
@@ -734,7 +828,7 @@ class Shipper:
     def mark_synced(self, name: str, value: Any) -> None:
         """The workers hold what the notebook's `value` holds now (after a pull-back)."""
         tensors: dict = {}
-        structure, keys, _ = self._structure(value, tensors)
+        structure, keys, _, _ = self._structure(value, tensors)
         self._owned.pop(name, None)
         untracked = {}
         for key in keys:
@@ -745,6 +839,16 @@ class Shipper:
             else:
                 untracked[key] = digest
         self._names[name] = _NameState(structure, untracked)
+
+    def held_tensors(self) -> dict[int, torch.Tensor]:
+        """token -> the notebook's tensor, for every tensor the workers hold of the notebook's:
+        a pull-back writes into these (see `loads`)."""
+        held = {}
+        for known in self._known.values():
+            obj = known.ref()
+            if obj is not None:
+                held[known.token] = obj
+        return held
 
     def _forget(self, key: int, token: int) -> None:
         known = self._known.get(key)
@@ -793,10 +897,13 @@ class Receiver:
         for token in request.get("forget", ()):
             self.tensors.pop(token, None)
         values, at = {}, 0
-        for name, count in request.get("names", ()):
-            stream, buffers = frames[at], frames[at + 1: at + count]
-            at += count
-            values[name] = _ReceiveUnpickler(io.BytesIO(stream), list(buffers), self).load()
+        names = request.get("names", ())
+        if names:  # one stream, one memo: an object two names hold stays one object
+            at = 1 + sum(count for _, count in names)
+            unpickler = _ReceiveUnpickler(io.BytesIO(frames[0]), list(frames[1:at]), self)
+            for name, _ in names:
+                values[name] = unpickler.load()
+                _rewrap_scheduled_step(values[name])
         for token, meta in request.get("updates", ()):
             self._resolve(("update", token, meta, frames[at]))
             at += 1
@@ -805,25 +912,58 @@ class Receiver:
     def _resolve(self, pid):
         if pid[0] == "ns":
             return self.namespace
+        if pid[0] == "name":  # a value this worker holds already: the same object
+            try:
+                return self.namespace[pid[1]]
+            except KeyError:
+                raise RuntimeError(f"this worker no longer holds {pid[1]!r}, which a value sent refers to; "
+                                   "%scale restart starts afresh") from None
         kind, token = pid[0], pid[1]
         if kind == "ref":
             return self.tensors[token]
         meta, buffer = pid[2], pid[3]
         held = self.tensors.get(token) if kind == "update" else None
-        if held is not None and _copy_into(held, meta, buffer):
-            return held
-        fresh = _build_tensor(meta, buffer, self.device)
         if held is not None:
-            with torch.no_grad():
-                if held.shape == fresh.shape and held.dtype == fresh.dtype:
-                    held.copy_(fresh)  # same object: everything holding it sees the change
-                else:
-                    held.data = fresh.data.to(held.device)
-            if held.is_leaf:
-                held.requires_grad_(fresh.requires_grad)
-            return held
-        self.tensors[token] = fresh
+            return _write_into(held, meta, buffer)
+        fresh = self.tensors[token] = _build_tensor(meta, buffer, self.device)
         return fresh
+
+
+def _rewrap_scheduled_step(value: Any) -> None:
+    """Give a received LR scheduler's optimizer back the `step` wrapper torch's scheduler put
+    on it when it was made. The wrapper is an attribute of the optimizer's instance, which
+    its pickle leaves out; without it every rank would warn at the scheduler's first step
+    that `optimizer.step()` was overridden, which the notebook's cell does not."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    if not isinstance(value, LRScheduler) or hasattr(value.optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    optimizer = weakref.ref(value.optimizer)
+    step = type(value.optimizer).step
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        held = optimizer()
+        held._opt_called = True  # what the scheduler checks at its first step
+        return step(held, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    value.optimizer.step = wrapper
+
+
+def _write_into(held: torch.Tensor, meta: tuple, buffer) -> torch.Tensor:
+    """`held` with the bytes of `buffer`: the same object, so everything holding it sees them."""
+    if _copy_into(held, meta, buffer):
+        return held
+    fresh = _build_tensor(meta, buffer, held.device)
+    with torch.no_grad():
+        if held.shape == fresh.shape and held.dtype == fresh.dtype:
+            held.copy_(fresh)
+        else:
+            held.data = fresh.data.to(held.device)
+    if held.is_leaf:
+        held.requires_grad_(fresh.requires_grad)
+    return held
 
 
 # --------------------------------------------------------------------------------------
@@ -832,40 +972,51 @@ class Receiver:
 
 
 class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
-    def __init__(self, file, namespace: dict | None, buffers: list):
+    def __init__(self, file, namespace: dict | None, held: dict[int, int] | None, buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._init_namespace(namespace)
+        self.held = held or {}
         self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
-            return self._namespace_id(obj)
+            return self._namespace_ref(obj)
         array, meta = _tensor_bytes(obj)
         self.tensor_buffers.append(pickle.PickleBuffer(array))
+        token = self.held.get(id(obj))
+        if token is not None:
+            return ("held", meta, self.tensor_buffers[-1], token)
         return ("value", meta, self.tensor_buffers[-1])
 
 
 class _ValueUnpickler(pickle.Unpickler):
-    def __init__(self, file, buffers, copy: bool, namespace: dict | None):
+    def __init__(self, file, buffers, copy: bool, namespace: dict | None, held: dict | None):
         super().__init__(file, buffers=buffers)
         self.copy = copy
         self.namespace = namespace if namespace is not None else {}
+        self.held = held or {}
 
     def persistent_load(self, pid):
         if pid[0] == "ns":
             return self.namespace
+        if pid[0] == "held" and pid[3] in self.held:
+            return _write_into(self.held[pid[3]], pid[1], pid[2])
         return _build_tensor(pid[1], pid[2], None, self.copy)
 
 
-def dumps(value: Any, namespace: dict | None = None) -> tuple[list, list[bool]]:
+def dumps(value: Any, namespace: dict | None = None, held: dict[int, int] | None = None) -> tuple[list, list[bool]]:
     """Frames (stream, *buffers) of `value`, tensors by value, out of band; and which
     frames hold a tensor's bytes. Functions whose globals are `namespace` (the worker's)
-    travel without them and resolve them in the namespace `loads` is given."""
-    return _frames(_ValuePickler, value, namespace)
+    travel without them and resolve them in the namespace `loads` is given. A tensor in
+    `held` (id -> token: one the notebook sent) is marked with its token."""
+    return _frames(_ValuePickler, value, namespace, held)
 
 
-def loads(stream, buffers, copy: bool = True, namespace: dict | None = None) -> Any:
+def loads(stream, buffers, copy: bool = True, namespace: dict | None = None,
+          held: dict[int, torch.Tensor] | None = None) -> Any:
     """The value of `dumps`' frames. With `copy=False` its tensors may share the frames'
     memory (writable frames only): for a caller that copies them out at once. Functions
-    that lived in the sender's namespace get `namespace` (the notebook's) as globals."""
-    return _ValueUnpickler(io.BytesIO(stream), list(buffers), copy, namespace).load()
+    that lived in the sender's namespace get `namespace` (the notebook's) as globals. A
+    tensor marked with a token in `held` (token -> the notebook's tensor) is written into
+    that tensor: an optimizer pulled back holds the notebook model's parameters."""
+    return _ValueUnpickler(io.BytesIO(stream), list(buffers), copy, namespace, held).load()

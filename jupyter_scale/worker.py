@@ -540,34 +540,59 @@ def sync_buffers(names: list[str]) -> None:
 
 
 def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict]:
-    """Rank 0's module weights and --pull values, as (name, kind, frame count).
+    """Rank 0's module weights and --pull values, as (names, kind, frame count).
 
-    A name that cannot be packed is reported by name; it never fails the cell.
+    Modules travel as state dicts, one each; the --pull values as one dict, so that an
+    object two of them hold (a scheduler's optimizer) stays one, and a tensor the
+    notebook sent marked as the notebook's (an optimizer's parameters are the notebook
+    model's). A name that cannot be packed is reported by name; it never fails the cell.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     ns = _state.namespace
     pulled, errors = [], {}
-    wanted = [(n, "state_dict") for n in request.get("modules", [])] + [(n, "value") for n in request.get("pull", [])]
-    for name, kind in wanted:
+
+    def packed(value, held=None):
+        try:
+            return shipping.dumps(value, ns, held)
+        except Exception as exc:  # pickling raises many types
+            return f"cannot be sent back: {type(exc).__name__}: {exc}"
+
+    values = {}
+    for name in [*request.get("modules", []), *request.get("pull", [])]:
         if name not in ns:
             errors[name] = "is not defined on the workers"
             continue
         value = ns[name]
         if isinstance(value, DistributedDataParallel):
             value = value.module  # the wrapper holds a process group; the model travels
-        if kind == "state_dict" and not isinstance(value, torch.nn.Module):
+        if name in request.get("pull", []):
+            values[name] = value
+            continue
+        if not isinstance(value, torch.nn.Module):
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
-        try:
-            frames, tensors = shipping.dumps(value.state_dict() if kind == "state_dict" else value,
-                                             _state.namespace)
-        except Exception as exc:  # pickling raises many types
-            errors[name] = f"cannot be sent back: {type(exc).__name__}: {exc}"
+        frames = packed(value.state_dict())
+        if isinstance(frames, str):
+            errors[name] = frames
             continue
-        out_frames.extend(frames)
-        tensor_frames.extend(tensors)
-        pulled.append((name, kind, len(frames)))
+        out_frames.extend(frames[0])
+        tensor_frames.extend(frames[1])
+        pulled.append(([name], "state_dict", len(frames[0])))
+    if values:
+        held = {id(t): token for token, t in _state.receiver.tensors.items()}
+        frames = packed(values, held)
+        if isinstance(frames, str):  # find the ones that cannot travel; the others go together
+            for name in list(values):
+                problem = packed(values[name])
+                if isinstance(problem, str):
+                    errors[name] = problem
+                    del values[name]
+            frames = packed(values, held) if values else None
+        if frames is not None:
+            out_frames.extend(frames[0])
+            tensor_frames.extend(frames[1])
+            pulled.append((list(values), "values", len(frames[0])))
     return pulled, errors
 
 

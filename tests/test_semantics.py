@@ -65,6 +65,21 @@ CASES = [
      "bias = 1\nadd_bias = lambda x: x + bias\ndef squares(n):\n    return [i * i + bias for i in range(n)]\n",
      "bias = 3\nlam = (add_bias(1), squares(3))\n",
      ["lam"]),
+    # An object two names hold is one object on the workers too.
+    ("scheduler-steps-the-optimizer-the-loop-uses",
+     "sched_model = nn.Linear(2, 1)\nsched_opt = torch.optim.SGD(sched_model.parameters(), lr=1.0)\n"
+     "sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)\n",
+     "for _ in range(2):\n    sched_opt.step()\n    sched.step()\n"
+     "lrs = (sched_opt.param_groups[0]['lr'], sched.get_last_lr()[0], sched.optimizer is sched_opt)\n",
+     ["lrs"]),
+    ("container-holds-another-names-object",
+     "items = []\nholder = {'items': items}\n",
+     "holder['items'].append(1)\nshared = (holder['items'] is items, len(items))\n",
+     ["shared"]),
+    ("function-kept-in-a-list",
+     "def callback():\n    return 1\ncallbacks = [callback]\n",
+     "same_callback = callbacks[0] is callback\n",
+     ["same_callback"]),
 ]
 
 
@@ -119,6 +134,21 @@ before = fn_model.weight.detach().clone()
 w = jupyter_scale.get_session().gather("fn_weights")
 assert torch.equal(w[0], fn_model.weight.detach()) and torch.equal(w[1], w[0])
 """)
+
+
+def test_a_pulled_optimizer_and_scheduler_drive_the_notebooks_model(k):
+    k.ok("torch.manual_seed(0)\npo_model = nn.Linear(4, 1)\n"
+         "po_opt = torch.optim.SGD(po_model.parameters(), lr=0.1, momentum=0.9)\n"
+         "po_sched = torch.optim.lr_scheduler.StepLR(po_opt, step_size=1, gamma=0.5)")
+    out = k.ok("%%distribute --pull po_opt,po_sched\nx = torch.randn(8, 4)\n"
+               "nn.functional.mse_loss(po_model(x), x.sum(1, keepdim=True)).backward()\n"
+               "po_opt.step()\npo_sched.step()")
+    assert "Warning" not in out.stderr, out.stderr  # torch's "optimizer.step() has been overridden"
+    assert k.value("po_opt.param_groups[0]['params'][0] is po_model.weight") is True
+    assert k.value("po_sched.optimizer is po_opt") is True
+    assert k.value("(po_opt.param_groups[0]['lr'], len(po_opt.state))") == (0.05, 2)
+    k.ok("before = po_model.weight.detach().clone()\npo_model(torch.ones(1, 4)).sum().backward()\npo_opt.step()\n"
+         "assert not torch.equal(before, po_model.weight), 'the pulled optimizer steps another model'")
 
 
 def test_a_stale_notebook_value_does_not_replace_newer_worker_state(k):

@@ -1,6 +1,7 @@
 """Unit tests: which names a cell needs, serialization by value, change detection."""
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -306,3 +307,82 @@ def test_pulled_values_resolve_functions_in_the_notebook():
     notebook = {"scale": 10}
     back = shipping.loads(frames[0], frames[1:], namespace=notebook)
     assert back.__globals__ is notebook and back(1) == 10
+
+
+# --------------------------------------------------------------------------------------
+# An object two names hold is one object on the workers, as in the notebook
+# --------------------------------------------------------------------------------------
+
+SCHEDULED = """import torch
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+"""
+
+
+def test_a_scheduler_steps_the_optimizer_the_workers_train_with():
+    link = NotebookLink(SCHEDULED)
+    plan, _ = link.send("model", "scheduler")  # the cell steps the scheduler; its optimizer comes along
+    assert plan.reached == ["optimizer"] and plan.refs["scheduler"] == {"optimizer"}
+    optimizer = link.worker["optimizer"]
+    assert link.worker["scheduler"].optimizer is optimizer
+    assert optimizer.param_groups[0]["params"][0] is link.worker["model"].weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as in the notebook: no "optimizer.step() has been overridden"
+        optimizer.step()
+        link.worker["scheduler"].step()
+    assert optimizer.param_groups[0]["lr"] == 0.5  # the lr the training loop's optimizer uses
+
+
+def test_a_value_holding_a_name_that_is_sent_again_is_sent_with_it():
+    link = NotebookLink(SCHEDULED)
+    link.send("optimizer", "scheduler")
+    _, unchanged = link.send("optimizer", "scheduler")
+    assert unchanged.names == []
+    link.notebook["optimizer"].add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+    _, shipment = link.send("optimizer", "scheduler")  # the optimizer changed; the scheduler did not
+    assert [n for n, _ in shipment.names] == ["optimizer", "scheduler"]
+    assert link.worker["scheduler"].optimizer is link.worker["optimizer"]
+    assert len(link.worker["optimizer"].param_groups) == 2
+
+
+def test_a_value_sent_alone_refers_to_the_object_the_workers_hold():
+    link = NotebookLink(SCHEDULED + "history = []\ndef log(x):\n    history.append(x)\ncallbacks = [log]\n")
+    link.send("optimizer", "log")
+    held_optimizer, held_log = link.worker["optimizer"], link.worker["log"]
+    _, shipment = link.send("scheduler", "callbacks")
+    assert [n for n, _ in shipment.names] == ["scheduler", "callbacks"]  # log, history: held
+    assert link.worker["scheduler"].optimizer is held_optimizer  # not a copy beside it
+    assert link.worker["callbacks"][0] is held_log
+    link.worker["callbacks"][0](1)
+    assert link.worker["history"] == [1]
+
+
+def test_objects_that_hold_each_other_stay_one_pair():
+    link = NotebookLink("class Node:\n    pass\na = Node()\nb = Node()\na.other = b\nb.other = a\n")
+    link.send("a")
+    assert link.worker["a"].other is link.worker["b"] and link.worker["b"].other is link.worker["a"]
+
+
+def test_a_rebound_name_is_no_longer_what_other_values_hold():
+    link = NotebookLink(SCHEDULED)
+    link.send("scheduler")
+    link.notebook["optimizer"] = torch.optim.Adam(link.notebook["model"].parameters())
+    plan, _ = link.send("scheduler", "optimizer")
+    assert plan.refs["scheduler"] == set()  # it holds the old optimizer, which no name holds now
+    assert link.worker["scheduler"].optimizer is not link.worker["optimizer"]
+    assert isinstance(link.worker["optimizer"], torch.optim.Adam)
+
+
+def test_a_pulled_optimizer_holds_the_notebook_models_parameters():
+    link = NotebookLink(SCHEDULED)
+    link.send("model", "optimizer")
+    worker_model, worker_optimizer = link.worker["model"], link.worker["optimizer"]
+    worker_model(torch.ones(1, 4)).sum().backward()
+    worker_optimizer.step()
+    held = {id(t): token for token, t in link.receiver.tensors.items()}
+    frames, _ = shipping.dumps({"optimizer": worker_optimizer}, link.worker, held)
+    back = shipping.loads(frames[0], frames[1:], namespace=link.notebook, held=link.shipper.held_tensors())
+    weight = link.notebook["model"].weight
+    assert back["optimizer"].param_groups[0]["params"][0] is weight
+    assert torch.equal(weight, worker_model.weight)  # the worker's step, in the notebook's model
