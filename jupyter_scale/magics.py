@@ -138,6 +138,11 @@ class ScaleMagics(Magics):
     @argument("--backend", default=None, help="cluster engine for start: ipyparallel or dask")
     @argument("--profile", default=None, help="for connect: an ipyparallel profile (ipcluster start --profile P)")
     @argument("--cluster-id", default=None, help="for connect: an ipyparallel cluster id within the profile")
+    @argument("--tls-ca-file", default=None,
+              help="for connect to a tls:// Dask scheduler: the CA that signed the cluster's certificates "
+                   "(default: Dask's distributed.comm.tls configuration)")
+    @argument("--tls-cert", default=None, help="for connect over tls://: this client's certificate (PEM)")
+    @argument("--tls-key", default=None, help="for connect over tls://: its private key (PEM; default: in --tls-cert)")
     @line_magic
     def scale(self, line: str):
         """Manage the cluster behind %%distribute.
@@ -151,6 +156,7 @@ class ScaleMagics(Magics):
             %scale restart              # fresh workers, same size
             %scale stop                 # stops every process the cluster started (or disconnects)
             %scale connect tcp://10.0.0.5:8786            # a running Dask scheduler
+            %scale connect tls://10.0.0.5:8786 --tls-ca-file ca.pem --tls-cert me.pem --tls-key me.key
             %scale connect --profile mpi --workers 8      # a running ipcluster
         """
         args = _parse(self.scale, line)
@@ -159,6 +165,11 @@ class ScaleMagics(Magics):
         where = args.address or args.profile or args.cluster_id
         if args.action != "connect" and where:
             raise UsageError(f"an address, --profile or --cluster-id goes with connect, not {args.action}")
+        tls = {k: v for k, v in dict(ca_file=args.tls_ca_file, cert=args.tls_cert, key=args.tls_key).items() if v}
+        if tls and not (args.action == "connect" and args.address and not args.address.endswith(".json")):
+            raise UsageError("--tls-ca-file, --tls-cert and --tls-key go with %scale connect tls://HOST:PORT (Dask)")
+        if tls and ("ca_file" not in tls or "cert" not in tls):
+            raise UsageError("TLS needs --tls-ca-file and --tls-cert (and --tls-key unless the key is in the cert file)")
         session = self.session
         if args.action == "connect":
             if not where:
@@ -170,7 +181,8 @@ class ScaleMagics(Magics):
                 raise UsageError("connect finds the engine from what it connects to; drop --backend")
             if session.running:
                 raise UsageError(f"a cluster of {session.size} workers is already running; %scale stop it first")
-            session.connect(args.address, workers=args.workers, profile=args.profile, cluster_id=args.cluster_id)
+            session.connect(args.address, workers=args.workers, profile=args.profile, cluster_id=args.cluster_id,
+                            tls=tls or None)
             return
         self._choose_backend(args.backend)
         if args.action == "start":

@@ -7,20 +7,31 @@ socket to the kernel's `EventStream` (PULL, bound to 127.0.0.1). The same stream
 the workers' state changes. Nothing is dropped silently: a batch that cannot be sent is
 counted, and the kernel compares what arrived with what each rank says it sent.
 
+Loopback is not a trust boundary: any local user can connect to that port. So each batch
+is signed with a key the kernel's queue draws and the workers get in the cell's request
+(over the engine's authenticated channel), carries the id of the run (cell) it belongs
+to, and must have the shape a sink sends; anything else is counted and dropped.
+
 In the notebook itself (no %%distribute) `report` records locally, so the same cell runs.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import json
+import logging
 import numbers
+import secrets
 import threading
 import time
 from typing import Any, Callable
 
 import torch
 import zmq
+
+log = logging.getLogger(__name__)
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -35,6 +46,9 @@ def _scalar(name: str, value: Any) -> float:
     raise TypeError(f"report({name}=...) takes numbers or one-element tensors, not {type(value).__name__}")
 
 
+_STAMPED = ("rank", "time", "kind")  # set by report itself (a point with its own would be refused)
+
+
 class Recorder:
     """Collects the points one process reports (and streams them when it has a sink)."""
 
@@ -47,6 +61,9 @@ class Recorder:
     def report(self, step: int | None = None, epoch: int | None = None, **scalars: Any) -> None:
         if not scalars:
             raise TypeError("report() needs at least one named value, e.g. report(loss=loss)")
+        taken = [name for name in _STAMPED if name in scalars]
+        if taken:
+            raise TypeError(f"report() sets {taken[0]!r} itself; name the value otherwise")
         if step is None:
             step = self._step
         self._step = int(step) + 1
@@ -78,6 +95,20 @@ def report(step: int | None = None, epoch: int | None = None, **scalars: Any) ->
 # --------------------------------------------------------------------------------------
 
 SEND_INTERVAL_S = 0.05
+# The kernel refuses longer messages (ZeroMQ cuts off the peer that sends one), so that a
+# stranger cannot make it buffer without bound; sinks split their batches to stay below.
+# A busy loop reporting three values at 260k points/s fills about 4 MB per batch.
+MAX_MESSAGE_BYTES = 16 * 2**20
+
+# Each message is HMAC-SHA256(key, body) in hex, then the JSON body. A MAC rather than the
+# key itself in every batch: on Dask the batches pass through the scheduler's event log,
+# which every client of that scheduler can read, and a MAC gives away nothing that would
+# sign another batch (nor a changed copy of this one).
+_MAC_SIZE = 64
+
+
+def _mac(key: str, body: bytes) -> bytes:
+    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest().encode()
 
 
 class _ZmqTransport:
@@ -114,15 +145,17 @@ def register_transport(scheme: str, factory: Callable[[str], Any]) -> None:
 class EventSink:
     """Worker side: a queue and a thread that sends it in batches, never blocking training."""
 
-    def __init__(self, address: str, rank: int):
-        self.address, self.rank = address, rank
+    def __init__(self, address: str, rank: int, key: str):
+        self.address, self.rank, self.key = address, rank, key
+        self.run = ""  # the id of the run (cell) whose events it sends now; see begin()
         # Every `heartbeat_interval` s the thread sends a heartbeat with `heartbeat_status()`
         # merged in (e.g. which collective the rank waits in): proof of life, and the
         # kernel's way to tell a rank that waits from one that never comes.
         self.heartbeat_interval: float = 0.0
         self.heartbeat_status: Callable[[], dict] = dict
         self._beat_at = 0.0
-        self.sent = 0  # events handed to the transport
+        self.stats_interval: float = 1.0  # s between memory samples (the first batch has one)
+        self.sent = 0  # events handed to the transport in this run
         self.dropped = 0  # events that could not be (counted, reported, never silent)
         self._queue: collections.deque = collections.deque()
         scheme = address.split("://", 1)[0]
@@ -133,10 +166,17 @@ class EventSink:
         self._wake = threading.Event()
         self._send_lock = threading.Lock()  # one sender at a time: the thread, or a flush
         self._closed = False
-        self._stats_at = 0.0
+        self._stats_at: float | None = None
         self._process = None
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-events", daemon=True)
         self._thread.start()
+
+    def begin(self, run: str) -> None:
+        """A new run (cell): what is queued goes out as the last run's; then the batches
+        carry `run`, and the counts start again, as the kernel's do."""
+        with self._send_lock:
+            self._send_queued()
+            self.run, self.sent, self.dropped = run, 0, 0
 
     def emit(self, event: dict) -> None:
         self._queue.append(event)  # deque.append is atomic: no lock on the training path
@@ -170,8 +210,8 @@ class EventSink:
             self._beat_at = now
             self._queue.append({"kind": "heartbeat", "rank": self.rank, "time": time.time(),
                                 **self.heartbeat_status()})
-        if self._queue and time.monotonic() - self._stats_at >= 1.0:
-            # Once a second while the rank reports: its memory, for the worker table.
+        if self._queue and (self._stats_at is None or time.monotonic() - self._stats_at >= self.stats_interval):
+            # Every `stats_interval` s while the rank reports: its memory, for the worker table.
             import psutil
 
             self._process = self._process or psutil.Process()
@@ -182,11 +222,22 @@ class EventSink:
         while self._queue:
             batch.append(self._queue.popleft())
         if batch:
-            message = json.dumps({"rank": self.rank, "events": batch, "sent_before": self.sent})
-            if self._transport.send(message):
-                self.sent += len(batch)
-            else:
-                self.dropped += len(batch)
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: list[dict]) -> None:
+        body = json.dumps({"run": self.run, "rank": self.rank, "events": batch, "sent_before": self.sent})
+        if _MAC_SIZE + len(body) > MAX_MESSAGE_BYTES:  # JSON is ASCII: characters are bytes
+            if len(batch) == 1:  # one point longer than the kernel takes: counted, never sent
+                self.dropped += 1
+                return
+            half = len(batch) // 2
+            self._send_batch(batch[:half])
+            self._send_batch(batch[half:])
+            return
+        if self._transport.send(_mac(self.key, body.encode()).decode() + body):
+            self.sent += len(batch)
+        else:
+            self.dropped += len(batch)
 
     def _run(self) -> None:
         while True:
@@ -200,32 +251,107 @@ class EventSink:
                 self._send_queued()
 
 
+# What JSON decodes to is exactly one of dict, list, str, int, float, bool, None: `type(x)
+# is int` is the check (a bool is not a rank or a step).
+_NUMBERS = (int, float)
+_STATES = ("running", "finished", "failed")
+
+
+def _well_formed(batch: Any, ranks: int | None) -> bool:
+    """A batch as EventSink sends it: a rank in range, and events of that rank with the
+    fields, of the types, that the kernel reads."""
+    if not (type(batch) is dict and type(batch.get("run")) is str and type(batch.get("rank")) is int
+            and type(batch.get("sent_before")) is int and type(batch.get("events")) is list):
+        return False
+    rank = batch["rank"]
+    if rank < 0 or (ranks is not None and rank >= ranks):
+        return False
+    return all(_well_formed_event(e, rank) for e in batch["events"])
+
+
+def _well_formed_event(event: Any, rank: int) -> bool:
+    if not (type(event) is dict and type(event.get("rank")) is int and event["rank"] == rank
+            and type(event.get("time")) in _NUMBERS):
+        return False
+    kind = event.get("kind")
+    if kind is None:  # a report() point: int step (and epoch), every value a number
+        return (type(event.get("step")) is int and type(event.get("epoch", 0)) is int
+                and all(type(v) in _NUMBERS for v in event.values()))
+    plain = all(v is None or type(v) in (str, int, float) for v in event.values())
+    if kind == "state":
+        return plain and event.get("state") in _STATES
+    if kind == "stats":
+        return plain and type(event.get("rss")) is int
+    if kind == "heartbeat":  # waiting in a collective: its name and since when
+        return plain and (event.get("collective") is None
+                          or (type(event["collective"]) is str and type(event.get("since")) in _NUMBERS))
+    return False
+
+
 class EventQueue:
     """Kernel side: the batches every worker's sink sent; `drain()` hands over what arrived.
 
     `accept` is called by whatever carries the batches: the ZeroMQ stream below, or an
-    engine's own channel.
+    engine's own channel. Only batches signed with `key`, well formed, and of the run
+    `begin` started get through; `rejected` counts the others (reason -> messages).
     """
 
     address = ""
 
     def __init__(self) -> None:
+        self.key = secrets.token_hex(16)  # the workers get it in each cell's request
+        self.run = ""  # the running cell's id (begin); its ranks are 0 .. ranks - 1
+        self.ranks: int | None = None
+        self.rejected: collections.Counter = collections.Counter()  # why -> messages dropped
         self._events: collections.deque = collections.deque()
-        self.received: collections.Counter = collections.Counter()  # rank -> events
+        self.received: collections.Counter = collections.Counter()  # rank -> events of this run
         # Seconds from report() on a worker to arrival here, for the latest events (the
         # clocks agree on one host; across hosts this includes their offset).
         self.latencies: collections.deque = collections.deque(maxlen=100_000)
         self._arrived = threading.Condition()
 
-    def accept(self, text: str) -> None:
-        """Take one batch a sink sent (from any thread)."""
-        message = json.loads(text)
-        arrived = time.time()
-        self.latencies.extend(arrived - e["time"] for e in message["events"] if "time" in e)
-        self._events.extend(message["events"])
+    def begin(self, ranks: int) -> str:
+        """Start a run of `ranks` ranks; returns its id, for the cell's request. What is left
+        of earlier runs, here or still on its way, is dropped: an abandoned (interrupted,
+        failed) cell's points never show in the next one."""
         with self._arrived:
-            self.received[message["rank"]] += len(message["events"])
+            self.run, self.ranks = secrets.token_hex(8), ranks
+            self.received.clear()
+            self._events.clear()
+        return self.run
+
+    def accept(self, message: Any) -> None:
+        """Take one message a sink sent (from any thread). Never raises: whatever a
+        stranger sends is counted in `rejected` and dropped."""
+        try:
+            reason, batch = self._open(message)
+        except Exception:  # e.g. not JSON (ours always is): the reader must live on
+            reason, batch = "malformed", None
+        with self._arrived:
+            if batch is not None and batch["run"] != self.run:
+                reason = "earlier run"
+            if reason is not None:
+                self.rejected[reason] += 1
+                log.debug("dropped an event message: %s", reason)
+                return
+            arrived = time.time()
+            self.latencies.extend(arrived - e["time"] for e in batch["events"])
+            self._events.extend(batch["events"])
+            self.received[batch["rank"]] += len(batch["events"])
             self._arrived.notify_all()
+
+    def _open(self, message: Any) -> tuple[str | None, dict | None]:
+        """(None, batch) for a well-formed batch signed with our key, else (why not, None)."""
+        if isinstance(message, str):  # the Dask channel carries text
+            message = message.encode()
+        if not isinstance(message, bytes):
+            return "malformed", None
+        if len(message) > MAX_MESSAGE_BYTES:
+            return "oversized", None
+        if not hmac.compare_digest(message[:_MAC_SIZE], _mac(self.key, message[_MAC_SIZE:])):
+            return "unsigned", None
+        batch = json.loads(message[_MAC_SIZE:])
+        return (None, batch) if _well_formed(batch, self.ranks) else ("malformed", None)
 
     def wait_for(self, expected: dict[int, int], timeout: float) -> bool:
         """Block until each rank's count of received events reaches `expected[rank]`."""
@@ -250,6 +376,7 @@ class EventStream(EventQueue):
         super().__init__()
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._closed = threading.Event()
@@ -260,9 +387,11 @@ class EventStream(EventQueue):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._closed.is_set():
-            if not poller.poll(100):
-                continue
-            self.accept(self._socket.recv_string())
+            try:
+                if poller.poll(100):
+                    self.accept(self._socket.recv(zmq.NOBLOCK))
+            except Exception:  # one bad message must not end the stream for every later cell
+                log.debug("event stream: receiving failed", exc_info=True)
         self._socket.close()
 
     def close(self) -> None:

@@ -1,15 +1,23 @@
 """Process-group setup on the workers: store, backend and device choice, teardown.
 
-Rank 0 hosts the TCPStore on a socket it binds itself to `master_addr` with port 0, so
-the port is free by construction (no race between choosing and binding, no fixed 29500)
-and a loopback cluster listens on 127.0.0.1 only (TCPStore would bind every interface).
+The group's store is where the ranks meet (gloo's addresses) and where the kernel asks
+them to abort. torch's TCPStore authenticates nobody and lists its keys to anyone who
+connects, and loopback is open to every local user; so when every rank runs on the
+kernel's machine the store is a FileStore in a directory only this user can enter
+(`new_store_dir`). Across hosts rank 0 hosts a TCPStore on a socket it binds itself to
+`master_addr` with port 0 (the port is free by construction, and TCPStore alone would
+bind every interface), its keys under a random prefix: that stops blind writes, not a
+peer who lists the keys, so such a network must be trusted (see README, "Security").
+A store is described by a `spec`: {"file": path} or {"addr", "port", "prefix"}.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import tempfile
 import threading
 
 import torch
@@ -67,6 +75,81 @@ def connect_store(master_addr: str, port: int, world_size: int | None, timeout: 
         timeout=datetime.timedelta(seconds=timeout),
         wait_for_workers=False,
     )
+
+
+STORE_DIR_PREFIX = "jupyter_scale-group-"
+
+
+def new_store_dir() -> str:
+    """A directory for a one-host group's FileStore that only this user can enter (0700).
+
+    Named after this process, so that the directories of kernels that died without
+    removing theirs (SIGKILL) are found and removed here.
+    """
+    _remove_orphan_store_dirs()
+    return tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{os.getpid()}-")
+
+
+def _remove_orphan_store_dirs() -> None:
+    import shutil
+
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(STORE_DIR_PREFIX):
+            continue
+        pid = name[len(STORE_DIR_PREFIX):].split("-")[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # not ours to inspect: count it alive
+        return True
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (for MASTER_PORT where no TCPStore takes one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def group_store(spec: dict, timeout: float, master: dist.Store | None = None) -> dist.Store:
+    """This process's handle on the group's store; `master`: rank 0's own TCPStore."""
+    if "file" in spec:
+        # world size -1: torch does not count handles to delete the file; the kernel
+        # removes the directory when the group is replaced.
+        store = dist.FileStore(spec["file"], -1)
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+        return store
+    base = master if master is not None else connect_store(spec["addr"], spec["port"], None, timeout)
+    return dist.PrefixStore(spec["prefix"], base)
+
+
+def all_gather_json(value, device: torch.device | None = None) -> list:
+    """Every rank's `value` (JSON data), in rank order, through tensors: unlike
+    all_gather_object, nothing a peer sends is unpickled. Tuples come back as lists."""
+    device = device or torch.device("cpu")
+    mine = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [json.loads(bytes(g[:int(n.item())].cpu().tolist()).decode()) for g, n in zip(gathered, sizes)]
 
 
 def set_torchrun_env(rank: int, world_size: int, local_rank: int, local_world_size: int,
@@ -148,14 +231,14 @@ class AbortWatch:
     """A thread that cuts this rank's group connections when the kernel asks.
 
     A rank blocked inside a collective never returns to Python, so neither SIGINT nor a
-    message to the engine reaches it. The kernel bumps a counter in the group's store
-    instead; this thread sees it, cuts the connections, and the blocked collective fails
-    with an error the cell then reports. The group is formed anew for the next cell.
+    message to the engine reaches it. The kernel sets a key in the group's store instead
+    (each group has a store of its own); this thread sees it, cuts the connections, and
+    the blocked collective fails with an error the cell then reports. The group is
+    formed anew for the next cell.
     """
 
-    def __init__(self, master_addr: str, port: int, group_sockets: set[int], poll: float = 0.25):
-        self._store = connect_store(master_addr, port, None, timeout=30)
-        self._seen = self._store.add(ABORT_KEY, 0)
+    def __init__(self, spec: dict, group_sockets: set[int], poll: float = 0.25):
+        self._store = group_store(spec, timeout=30)
         self._sockets = group_sockets
         self._poll = poll
         self._stop = threading.Event()
@@ -165,21 +248,21 @@ class AbortWatch:
     def _run(self) -> None:
         while not self._stop.wait(self._poll):
             try:
-                value = self._store.add(ABORT_KEY, 0)
+                asked = self._store.check([ABORT_KEY])  # reads only: the store does not grow
             except Exception:  # the store went away with its group: nothing left to watch
                 return
-            if value != self._seen:
-                self._seen = value
+            if asked:
                 cut_connections(self._sockets)
+                return
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self._poll + 1)
 
 
-def request_abort(master_addr: str, port: int) -> None:
+def request_abort(spec: dict) -> None:
     """From the kernel: make every rank's AbortWatch cut its connections."""
-    connect_store(master_addr, port, None, timeout=2).add(ABORT_KEY, 1)
+    group_store(spec, timeout=2).set(ABORT_KEY, "1")
 
 
 def _shutdown_if_ours(fd: int, group_sockets: set[int]) -> None:

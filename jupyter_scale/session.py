@@ -6,21 +6,28 @@ same code as the magics.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
+import secrets
+import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from . import metrics, rendezvous, sharedmem, shipping, worker
-from .backends import Backend, Job, Output, create_backend, describe_exit
+from .backends import Backend, Job, Output, create_backend, descendants, describe_exit, end_processes
 from .errors import (CellTimeout, ClusterError, DistributeError, RankFailure, RemoteError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
 
@@ -51,37 +58,88 @@ class RunRecord:
         return sum(self.shipped.values())
 
 
+_LINE_END = re.compile(r"[\r\n]")  # what ends a segment of a rank's output
+
+
 class _LineLabeler:
     """Prefixes each line a rank prints with `[rank N]`; keeps partial lines.
 
     A carriage return ends a segment too, so progress bars that redraw their line with
-    `\r` (tqdm) show while they run, not only when their line is done.
+    `\r` (tqdm) show while they run, not only when their line is done. Each piece of text
+    is scanned once: 20k one-character writes used to take 14 s, each re-scanning the
+    line so far. A line that reaches `max_partial` characters without ending is shown
+    as it is (a process that never prints a newline still shows, in bounded memory).
     """
 
-    def __init__(self) -> None:
-        self._partial: dict[tuple[int, str], str] = {}
+    def __init__(self, max_partial: int = 64 * 1024) -> None:
+        self.max_partial = max_partial
+        self._partial: dict[tuple[int, str], io.StringIO] = {}
+        self._after_cr: set[tuple[int, str]] = set()  # streams whose last character was \r
 
     def feed(self, rank: int, stream: str, text: str) -> str:
         key = (rank, stream)
-        text = self._partial.pop(key, "") + text
         out, start = [], 0
-        for i, ch in enumerate(text):
-            if ch in "\r\n":
-                segment = text[start:i]
-                blank_line = ch == "\n" and (i == 0 or text[i - 1] != "\r")
-                if segment or blank_line:
-                    out.append(f"[rank {rank}] {segment}{ch}")
-                else:
-                    out.append(ch)
-                start = i + 1
+        for end in _LINE_END.finditer(text):
+            i, ch = end.start(), end.group()
+            segment = text[start:i]
+            if start == 0 and key in self._partial:
+                segment = self._partial.pop(key).getvalue() + segment
+            after_cr = text[i - 1] == "\r" if i else key in self._after_cr
+            if segment or (ch == "\n" and not after_cr):  # a blank line, not the \n of a \r\n
+                out.append(f"[rank {rank}] {segment}{ch}")
+            else:
+                out.append(ch)
+            start = i + 1
+        if text.endswith("\r"):
+            self._after_cr.add(key)
+        elif text:
+            self._after_cr.discard(key)
         if start < len(text):
-            self._partial[key] = text[start:]
+            partial = self._partial.get(key)
+            if partial is None:
+                partial = self._partial[key] = io.StringIO()
+            partial.write(text[start:])
+            if partial.tell() >= self.max_partial:
+                out.append(f"[rank {rank}] {self._partial.pop(key).getvalue()}\n")
         return "".join(out)
 
     def flush(self) -> list[tuple[str, str]]:
-        rest = [(stream, f"[rank {rank}] {text}\n") for (rank, stream), text in sorted(self._partial.items())]
+        rest = [(stream, f"[rank {rank}] {text.getvalue()}\n") for (rank, stream), text in sorted(self._partial.items())]
         self._partial.clear()
+        self._after_cr.clear()
         return rest
+
+
+class _Interrupts:
+    """SIGINTs noted while a cell runs, and how many the wait loop has acted on."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.handled = 0
+
+
+@contextmanager
+def _interrupts_noted() -> Iterator[_Interrupts]:
+    """While a cell runs, the notebook's interrupt (SIGINT) is noted, not raised.
+
+    A KeyboardInterrupt can leave the kernel's code at any line: two interrupts 0.3 ms
+    apart escaped the wait loop's handler, and the ranks ran on unseen while the next cell
+    wrote the frames they read. Noted, the wait loop stops every rank for it, and pulls
+    are applied whole. Off the main thread no signal arrives, and nothing changes.
+    """
+    interrupts = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+
+    def note(signum, frame) -> None:
+        interrupts.count += 1
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield interrupts
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 class ScaleSession(LoggingConfigurable):
@@ -140,6 +198,8 @@ class ScaleSession(LoggingConfigurable):
         self.shipper = shipping.Shipper(self.namespace, self._shippable)  # what the workers hold of the notebook's values
         self.shared_memory = False  # large frames go through shared memory (see _form_group)
         self._frames_out: sharedmem.SharedFrames | None = None  # the kernel's, for large frames
+        self._store_dir: str | None = None  # the one-host group's FileStore lives here
+        self._helpers: set = set()  # processes the cluster's own processes started (psutil)
         self._group_ready = False
         self._user_interrupted = False
         self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
@@ -201,6 +261,9 @@ class ScaleSession(LoggingConfigurable):
             self._form_group()
             if backend.owns_cluster:
                 self._tie_workers_to_kernel(backend)
+                # What the cluster's processes started themselves (ipyparallel's schedulers,
+                # its engines' nannies): the engine stops those (see _stop_backend).
+                self._helpers = set(descendants(backend.local_processes()))
         except BaseException:
             self._shutdown()
             raise
@@ -224,13 +287,15 @@ class ScaleSession(LoggingConfigurable):
         backend.submit(worker.watch_parent, me.pid, me.create_time(), helpers).wait(self.start_timeout)
 
     def connect(self, address: str | None = None, *, workers: int | None = None, profile: str | None = None,
-                cluster_id: str | None = None, url_file: str | None = None) -> None:
+                cluster_id: str | None = None, url_file: str | None = None, tls: dict | None = None) -> None:
         """Attach to a cluster someone else started, instead of starting one.
 
         `address` is a Dask scheduler (tcp://host:port, from dask-jobqueue, dask-kubernetes,
         `dask scheduler`) or an ipyparallel `ipcontroller-*-client.json` file; `profile` /
         `cluster_id` / `url_file` find an ipyparallel controller (ipcluster) too. `workers`: use that many (waiting for them to join), else
         every worker the cluster has. `stop()` disconnects and leaves the cluster running.
+        `tls` (Dask): {"ca_file", "cert", "key"} PEM files for a tls:// scheduler; without
+        it Dask's own configuration (distributed.comm.tls) applies.
         """
         if self.running:
             raise ClusterError(f"a cluster of {self.size} workers is already running; %scale stop it first")
@@ -241,7 +306,9 @@ class ScaleSession(LoggingConfigurable):
                 raise ValueError("give a Dask scheduler address or an ipyparallel profile/cluster id, not both")
             if "://" not in address:
                 address = f"tcp://{address}"
-            name, where = "dask", {"address": address}
+            name, where = "dask", {"address": address, **({"tls": tls} if tls else {})}
+        elif tls:
+            raise ValueError("tls goes with a Dask scheduler address (tls://host:port)")
         elif profile or cluster_id or url_file:
             name = "ipyparallel"
             where = {k: v for k, v in dict(profile=profile, cluster_id=cluster_id, url_file=url_file).items() if v}
@@ -272,6 +339,7 @@ class ScaleSession(LoggingConfigurable):
             if backend is not None and backend.running:
                 self._stop_backend(backend)
         finally:
+            self._remove_store_dir()
             if self._frames_out is not None:  # its memory goes with it
                 self._frames_out.close()
                 self._frames_out = None
@@ -280,10 +348,17 @@ class ScaleSession(LoggingConfigurable):
         # A cluster we only connected to lives on: free what this session left on its
         # workers (the namespaces, the process group), not just the group.
         farewell = worker.leave_group if backend.owns_cluster else worker.reset
+        # What cells left running in a cluster we started (a server, a Popen, a helper
+        # process) stops with it. Found while the workers live (an orphan cannot be traced
+        # back to them), and stopped first: a worker's exit waits for its non-daemonic
+        # children (20 s of %scale stop on ipyparallel, and the child stayed).
+        forked = ([p for p in descendants(backend.local_processes()) if p not in self._helpers]
+                  if backend.owns_cluster else [])
         try:
             backend.submit(farewell).wait(timeout=5)
         except (ClusterError, WorkerLost):  # a dead or stuck worker is stopped below anyway
             log.debug("leaving the workers failed during stop", exc_info=True)
+        end_processes(forked, timeout=5)
         backend.stop()
 
     def restart(self, workers: int | None = None) -> None:
@@ -353,14 +428,24 @@ class ScaleSession(LoggingConfigurable):
         self.shared_memory = all(p is not None and sharedmem.check_probe(*p) for p in probes_back)
         hosts = [w["hostname"] for w in self.workers]
         all_local = all(h == socket.gethostname() for h in hosts)
-        # One host (the embedded cluster): loopback only. Several: rank 0's host name,
-        # on a network the user trusts (see README, "Security").
-        master_addr = rendezvous.LOOPBACK if all_local else hosts[0]
         dist_backend = rendezvous.select_backend([w["cuda_count"] for w in self.workers])
-        # Only rank 0 listens; it picks the port by binding port 0 (no collisions).
-        port = backend.submit_each(
-            worker.open_rendezvous, [(r == 0, master_addr, n, timeout) for r in range(n)]
-        ).wait(timeout)[0]
+        self._remove_store_dir()  # the previous group's
+        if all_local:
+            # One host (the embedded cluster): loopback only, and a store that only this
+            # user can open (see rendezvous); MASTER_PORT is merely free for the cell's use.
+            master_addr = rendezvous.LOOPBACK
+            self._store_dir = rendezvous.new_store_dir()
+            store = {"file": os.path.join(self._store_dir, "store")}
+            port = rendezvous.free_port(master_addr)
+        else:
+            # Several: rank 0's host name, on a network the user trusts (see README,
+            # "Security"). Only rank 0 listens; it picks the port by binding port 0.
+            master_addr = hosts[0]
+            port = backend.submit_each(
+                worker.open_rendezvous, [(r == 0, master_addr, n, timeout) for r in range(n)]
+            ).wait(timeout)[0]
+            # Handed to the ranks over the engine's authenticated channel only.
+            store = {"addr": master_addr, "port": port, "prefix": f"jupyter_scale/{secrets.token_hex(16)}/"}
         per_host = Counter(hosts)
         seen: Counter = Counter()
         layouts = []
@@ -368,14 +453,19 @@ class ScaleSession(LoggingConfigurable):
             layouts.append(dict(
                 rank=rank, world_size=n, local_rank=seen[w["hostname"]],
                 local_world_size=per_host[w["hostname"]], master_addr=master_addr,
-                master_port=port, backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
+                master_port=port, store=store, backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
             ))
             seen[w["hostname"]] += 1
         joined = backend.submit_each(worker.join_group, [(layout,) for layout in layouts]).wait(timeout)
         for w, j in zip(self.workers, joined):
             w["device"] = j["device"]
-        self.group = {"backend": dist_backend, "master_addr": master_addr, "master_port": port}
+        self.group = {"backend": dist_backend, "master_addr": master_addr, "master_port": port, "store": store}
         self._group_ready = True
+
+    def _remove_store_dir(self) -> None:
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
     def _require_backend(self) -> Backend:
         if not self.running:
@@ -411,6 +501,8 @@ class ScaleSession(LoggingConfigurable):
                   "%%distribute cell; the notebook changed it since)", file=sys.stderr, flush=True)
         # The notebook's models the cell uses, also through the notebook functions it calls.
         modules = [n for n in names if isinstance(self.namespace[n], torch.nn.Module)]
+        events = self._event_stream()
+        run_id = events.begin(record.workers)  # from here on, late points of earlier runs are dropped
         request = {
             "names": shipment.names,
             "updates": shipment.updates,
@@ -420,7 +512,11 @@ class ScaleSession(LoggingConfigurable):
             "modules": modules,
             "pull": pull,
             "auto": not manual,
-            "events": self._event_stream().address,
+            "events": events.address,
+            # Signs the workers' batches: the event port is open to every local user, the
+            # engine's channel that carries this request is not.
+            "events_key": events.key,
+            "run": run_id,
             "heartbeat": self.heartbeat_interval,
             "resync": self._resync,
             # Rank 0 sends the pull-back through a file of its own there.
@@ -431,22 +527,68 @@ class ScaleSession(LoggingConfigurable):
         }
         view = _RunView(self, record, steps)
         self._notify("run_started", record, steps)
-        frames, request["shared_frames"] = self._pack_frames(shipment)
-        job = self.backend.submit(worker.run_cell, request, *frames)
-        try:
-            headers, frames_back, error, lost = self._wait(job, record, timeout, view)
-        except BaseException as exc:
-            record.status, record.error = "failed", str(exc)
-            self.shipper.discard()
-            self._finish_run(view, record)
-            raise
-        finally:
-            job.release()
-            if self._frames_out is not None:
-                self._frames_out.trim()
-        with sharedmem.unpacked(frames_back.get(0, ()), headers.get(0, {}).get("shared_frames")) as frames_back[0]:
-            self._end_run(record, view, headers, frames_back, error, lost, shipment, plan, manual)
+        with _interrupts_noted() as interrupts:
+            frames, request["shared_frames"] = self._pack_frames(shipment)
+            job = self.backend.submit(worker.run_cell, request, *frames)
+            answered = False
+            try:
+                headers, frames_back, error, lost = self._wait(job, record, timeout, view, interrupts)
+                answered = True
+            except BaseException as exc:
+                # Whatever ended the wait early (an engine's error, a bug): no rank may run
+                # on unseen, reading frames the next cell writes.
+                answered = self._stop_abandoned(job)
+                record.status, record.error = "failed", str(exc)
+                self.shipper.discard()
+                self._finish_run(view, record)
+                raise
+            finally:
+                job.release()
+                self._done_with_frames(answered)
+            # Pull-back and buffer sync are not cut half-way by an interrupt either.
+            with sharedmem.unpacked(frames_back.get(0, ()), headers.get(0, {}).get("shared_frames")) as frames_back[0]:
+                self._end_run(record, view, headers, frames_back, error, lost, shipment, plan, manual)
+        if interrupts.count > interrupts.handled:
+            raise KeyboardInterrupt("interrupted as the cell ended: it had finished on every rank, "
+                                    "and the notebook holds its results")
         return record
+
+    def _done_with_frames(self, answered: bool) -> None:
+        """The cell's shared-memory file may shrink or be written again once every rank
+        answered (none reads it any more). Otherwise a rank that never answered may still
+        read it: the kernel takes a new file and leaves that one to its readers."""
+        if self._frames_out is None:
+            return
+        if answered:
+            self._frames_out.trim()
+        else:
+            self._frames_out.close()  # its memory stays while a reader maps it
+            self._frames_out = sharedmem.SharedFrames(self.shared_memory_keep)
+
+    def _stop_abandoned(self, job: Job) -> bool:
+        """Stop the ranks of a cell whose wait ended early; those that do not stop within
+        `stop_deadline` count as lost (the next cell replaces their workers). True when
+        every rank answered."""
+        try:
+            running = [r for r in job.ranks if not job.done(r) and r not in self._lost_workers]
+            if running:
+                self.backend.interrupt(running)
+                started = time.monotonic()
+                aborted = False
+                while running and time.monotonic() - started < self.stop_deadline:
+                    if not aborted and time.monotonic() - started > self.abort_grace:
+                        self._request_abort()  # ranks blocked in a collective among themselves
+                        aborted = True
+                    job.wait_activity(self.poll_interval)
+                    running = [r for r in running if not job.done(r)]
+            stuck = sorted({*running, *(r for r in job.ranks if r in self._lost_workers)})
+        except Exception:  # the engine itself failed: nothing can be known of the ranks
+            log.debug("stopping an abandoned cell failed", exc_info=True)
+            stuck = list(job.ranks)
+        if stuck:
+            self._lost_workers = sorted(set(self._lost_workers) | set(stuck))
+            self._group_ready = False
+        return not stuck
 
     def _pack_frames(self, shipment: shipping.Shipment) -> tuple[list, dict | None]:
         """The shipment's big frames into shared memory, when the workers read it; should
@@ -565,7 +707,8 @@ class ScaleSession(LoggingConfigurable):
         """Not a name the workers set themselves, a dunder, or IPython's own."""
         return name not in worker.INJECTED_NAMES and not name.startswith("__") and not _is_ipython_internal(name)
 
-    def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "_RunView"):
+    def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "_RunView",
+              interrupts: "_Interrupts | None" = None):
         """Stream output until every rank answered; stop the others after a failure.
 
         Returns each rank's header and frames, the cell's error (None if every rank
@@ -602,8 +745,23 @@ class ScaleSession(LoggingConfigurable):
                     backend.submit(worker.leave_group, ranks=finished)
                 interrupted_at = time.monotonic()
 
+        interrupts = interrupts or _Interrupts()
+
+        def kernel_interrupt() -> None:
+            # The user interrupted the kernel: pass it on to every rank, keep waiting
+            # (bounded by stop_deadline) so they are reusable afterwards.
+            nonlocal interrupt_sent
+            interrupts.handled = interrupts.count
+            if not self._user_interrupted:
+                self._user_interrupted = True
+                interrupt_sent = time.time()
+                print("jupyter_scale: interrupting the workers ...", file=sys.stderr, flush=True)
+            stop_running("kernel interrupt")
+
         while True:
             try:
+                if interrupts.count > interrupts.handled:
+                    kernel_interrupt()
                 self._emit(job.new_output(), labeler)
                 self._take_events(record, view)
                 view.tick()
@@ -651,14 +809,8 @@ class ScaleSession(LoggingConfigurable):
                         f"ranks {stuck} did not stop within {self.stop_deadline:g} s of being "
                         "interrupted; the next %%distribute restarts the workers")
                 job.wait_activity(self.poll_interval)
-            except KeyboardInterrupt:
-                # The user interrupted the kernel: pass it on to every rank, keep waiting
-                # (bounded by stop_deadline) so they are reusable afterwards.
-                if not self._user_interrupted:
-                    self._user_interrupted = True
-                    interrupt_sent = time.time()
-                print("jupyter_scale: interrupting the workers ...", file=sys.stderr, flush=True)
-                stop_running("kernel interrupt")
+            except KeyboardInterrupt:  # off the main thread, where SIGINT is not noted
+                interrupts.count += 1
         self._emit(job.new_output(), labeler)
         for stream, text in labeler.flush():
             _write(stream, text)
@@ -727,7 +879,7 @@ class ScaleSession(LoggingConfigurable):
             return
         self._group_ready = False  # the group is cut: the next cell forms a new one
         try:
-            rendezvous.request_abort(self.group["master_addr"], self.group["master_port"])
+            rendezvous.request_abort(self.group["store"])
         except Exception:  # the store is gone with rank 0; its peers fail on their own
             log.debug("abort request through the store failed", exc_info=True)
 
@@ -753,6 +905,7 @@ class ScaleSession(LoggingConfigurable):
                 if kind == "state_dict":
                     # Copied into the notebook's model at once: no copy before.
                     value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
+                    _check_state_dict(self.namespace[names[0]], value)  # all or nothing
                     with torch.no_grad():
                         self.namespace[names[0]].load_state_dict(value)
                     values = {}
@@ -790,6 +943,26 @@ class ScaleSession(LoggingConfigurable):
         DataFrame with `as_frame=True`."""
         points = list(self.runs[-1].metrics) if self.runs else []
         return _as_frame(points) if as_frame else points
+
+
+def _check_state_dict(module: torch.nn.Module, state: dict) -> None:
+    """Raise, naming the first difference, unless `state` fits `module` exactly (keys,
+    shapes, dtypes): load_state_dict would copy every tensor that fits before raising on
+    one that does not, leaving the notebook's model half rank 0's."""
+    own = module.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise ValueError(f"the workers' model has {'no ' + repr(missing[0]) if missing else repr(unexpected[0])} "
+                         f"({len(missing)} missing, {len(unexpected)} unexpected entries); the notebook's model "
+                         "is unchanged")
+    for key, tensor in own.items():
+        theirs = state[key]
+        if not isinstance(tensor, torch.Tensor):  # a module's extra state: its own to check
+            continue
+        if not isinstance(theirs, torch.Tensor) or theirs.shape != tensor.shape or theirs.dtype != tensor.dtype:
+            got = f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs).__name__
+            raise ValueError(f"{key!r} is {got} on the workers, {tuple(tensor.shape)} {tensor.dtype} here; "
+                             "the notebook's model is unchanged")
 
 
 def _listed(names: list[str]) -> str:

@@ -55,16 +55,23 @@ class SharedFrames:
         if not moved:
             return list(frames), None
         layout, offset = [], 0
-        for i in moved:
-            view = views[i]
-            for start in range(0, view.nbytes, _WRITE_CHUNK):
-                chunk = view[start:start + _WRITE_CHUNK]
-                written = 0
-                while written < chunk.nbytes:
-                    written += os.pwrite(self._fd, chunk[written:], offset + start + written)
-            is_tensor = i < len(tensor_frames) and tensor_frames[i]
-            layout.append((i, offset, view.nbytes, not is_tensor))
-            offset += view.nbytes
+        try:
+            for i in moved:
+                view = views[i]
+                for start in range(0, view.nbytes, _WRITE_CHUNK):
+                    chunk = view[start:start + _WRITE_CHUNK]
+                    written = 0
+                    while written < chunk.nbytes:
+                        written += os.pwrite(self._fd, chunk[written:], offset + start + written)
+                is_tensor = i < len(tensor_frames) and tensor_frames[i]
+                layout.append((i, offset, view.nbytes, not is_tensor))
+                offset += view.nbytes
+        except OSError:
+            # Out of memory, most likely: what was written is of no use (the frames go
+            # through the engine), and no reader maps the file while it is written.
+            os.ftruncate(self._fd, 0)
+            self._size = 0
+            raise
         self._size = max(self._size, offset)
         out = list(frames)
         for i in moved:

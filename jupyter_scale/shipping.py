@@ -995,12 +995,14 @@ class _ValueUnpickler(pickle.Unpickler):
         self.copy = copy
         self.namespace = namespace if namespace is not None else {}
         self.held = held or {}
+        self.writes: list[tuple] = []  # into the notebook's tensors, once the whole value loaded
 
     def persistent_load(self, pid):
         if pid[0] == "ns":
             return self.namespace
         if pid[0] == "held" and pid[3] in self.held:
-            return _write_into(self.held[pid[3]], pid[1], pid[2])
+            self.writes.append((self.held[pid[3]], pid[1], pid[2]))
+            return self.held[pid[3]]
         return _build_tensor(pid[1], pid[2], None, self.copy)
 
 
@@ -1018,5 +1020,10 @@ def loads(stream, buffers, copy: bool = True, namespace: dict | None = None,
     memory (writable frames only): for a caller that copies them out at once. Functions
     that lived in the sender's namespace get `namespace` (the notebook's) as globals. A
     tensor marked with a token in `held` (token -> the notebook's tensor) is written into
-    that tensor: an optimizer pulled back holds the notebook model's parameters."""
-    return _ValueUnpickler(io.BytesIO(stream), list(buffers), copy, namespace, held).load()
+    that tensor: an optimizer pulled back holds the notebook model's parameters. They are
+    written only once the whole value loaded: a value that fails to load changes nothing."""
+    unpickler = _ValueUnpickler(io.BytesIO(stream), list(buffers), copy, namespace, held)
+    value = unpickler.load()
+    for tensor, meta, buffer in unpickler.writes:
+        _write_into(tensor, meta, buffer)
+    return value

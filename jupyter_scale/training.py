@@ -16,6 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, Subset)
 
+from . import rendezvous
+
 
 # Every DDP model built on this worker: automatic mode must not average their gradients
 # a second time.
@@ -559,11 +561,11 @@ def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
     global _own_collectives
     named = _named_tensors(namespace, tensors_of)
     signatures = _signatures(named)
-    everyone: list = [None] * dist.get_world_size()
     _own_collectives += 1  # resync runs inside the automatic-mode cell, before the cell's code
     try:
-        dist.all_gather_object(everyone, signatures)
-        common = [n for n in sorted(named) if all(other.get(n) == signatures[n] for other in everyone)]
+        everyone = rendezvous.all_gather_json(signatures, _group_device())
+        mine = everyone[dist.get_rank()]  # as JSON made it (lists for tuples), to compare alike
+        common = [n for n in sorted(named) if all(other.get(n) == mine[n] for other in everyone)]
         _broadcast(named, common)
     finally:
         _own_collectives -= 1

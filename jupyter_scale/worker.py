@@ -51,7 +51,9 @@ class _WorkerState:
     namespace: dict = field(init=False)  # main's __dict__
     recorder: Recorder = field(default_factory=Recorder)
     receiver: shipping.Receiver = field(init=False)
-    store: Any = None  # rank 0 hosts the TCPStore; it must outlive the group
+    store: Any = None  # this rank's handle on the group's store (see rendezvous.group_store)
+    store_file: str | None = None  # the one-host group's FileStore
+    master_store: Any = None  # rank 0 of a group across hosts hosts its TCPStore; it must outlive the group
     group_ready: bool = False
     group_sockets: set = field(default_factory=set)  # what abort_group cuts
     backend: str = "gloo"
@@ -170,6 +172,12 @@ def watch_parent(pid: int, create_time: float, reap: list | tuple = ()) -> bool:
     def run() -> None:
         while _alive(pid, create_time):
             _original_sleep(PARENT_POLL_S)
+        store = _state.store_file
+        if store and os.path.basename(os.path.dirname(store)).startswith(rendezvous.STORE_DIR_PREFIX):
+            # The kernel's one-host group store: the kernel can no longer remove it.
+            import shutil
+
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
         for helper_pid, helper_created in reap:
             if _alive(helper_pid, helper_created):
                 try:
@@ -214,11 +222,11 @@ def reset() -> None:
 
 
 def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout: float) -> int | None:
-    """On rank 0: listen for the group; returns the port chosen. Others: nothing."""
+    """On rank 0 of a group across hosts: listen for the group; returns the port chosen."""
     if not is_master:
         return None
-    _state.store = None  # close the previous store first (frees its port)
-    _state.store, port = rendezvous.open_store(master_addr, world_size, timeout)
+    _state.store = _state.master_store = None  # close the previous store first (frees its port)
+    _state.master_store, port = rendezvous.open_store(master_addr, world_size, timeout)
     return port
 
 
@@ -241,13 +249,14 @@ def join_group(layout: dict) -> dict:
     if "OMP_NUM_THREADS" not in os.environ:
         # Like torchrun, don't let N workers on one host each claim every core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // _state.local_world_size))
-    if rank != 0:  # rank 0 opened the store in open_rendezvous
-        _state.store = rendezvous.connect_store(layout["master_addr"], layout["master_port"], world_size,
-                                                layout["timeout"])
+    # Rank 0 of a group across hosts opened the TCPStore in open_rendezvous.
+    _state.store_file = layout["store"].get("file")
+    master = _state.master_store if rank == 0 and "file" not in layout["store"] else None
+    _state.store = rendezvous.group_store(layout["store"], layout["timeout"], master)
     _state.backend = layout["backend"]
     _state.group_sockets = rendezvous.init_group(_state.store, _state.backend, rank, world_size, _state.device)
     _state.group_ready = True
-    _state.watch = rendezvous.AbortWatch(layout["master_addr"], layout["master_port"], _state.group_sockets)
+    _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets)
     _install_torchrun_compat()
     _install_collective_marks()
     rewrapped = _rewrap_stale_ddp()
@@ -261,14 +270,12 @@ def _rewrap_stale_ddp() -> list[str]:
     failed half-way through a step start the next cell equal again. Building a DDP is a
     collective: only names that hold a DDP model on every rank are wrapped, in one order.
     """
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from .training import wrap
 
     mine = sorted(n for n, v in _state.namespace.items() if isinstance(v, DistributedDataParallel))
-    everyone: list = [None] * _state.world_size
-    dist.all_gather_object(everyone, mine)
+    everyone = rendezvous.all_gather_json(mine, _state.device)
     common = [n for n in mine if all(n in names for names in everyone)]
     for name in common:
         value = _state.namespace[name]
@@ -436,7 +443,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
-    sink = _connect_events(request.get("events"))
+    sink = _connect_events(request.get("events"), request.get("events_key", ""), request.get("run", ""))
     _state.collective = _state.failed_in = None
     if sink is not None:
         sink.heartbeat_interval = request.get("heartbeat", 0.0)
@@ -603,15 +610,18 @@ def gather_value(name: str) -> tuple:
     return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name], _state.namespace)[0])
 
 
-def _connect_events(address: str | None) -> EventSink | None:
-    """The sink to the kernel's event stream (kept across cells while the address holds)."""
+def _connect_events(address: str | None, key: str, run: str) -> EventSink | None:
+    """The sink to the kernel's event stream (kept across cells while the address and key
+    hold), sending this cell's events as run `run`'s."""
     if not address:
         _state.recorder.sink = None
         return None
-    if _state.sink is None or _state.sink.address != address or _state.sink.rank != _state.rank:
-        if _state.sink is not None:
-            _state.sink.close()
-        _state.sink = EventSink(address, _state.rank)
+    sink = _state.sink
+    if sink is None or (sink.address, sink.key, sink.rank) != (address, key, _state.rank):
+        if sink is not None:
+            sink.close()
+        _state.sink = EventSink(address, _state.rank, key)
+    _state.sink.begin(run)
     _state.recorder.sink = _state.sink
     return _state.sink
 

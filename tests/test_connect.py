@@ -6,6 +6,7 @@ on 127.0.0.1, started by the test (not by the kernel) and stopped by the test, b
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,9 @@ from conftest import SETUP, wait_gone
 from kernel import Kernel
 
 BIN = Path(sys.executable).parent
+# Every port of a `dask` CLI process on loopback: its HTTP server (health, metrics) listens
+# even with --no-dashboard, on 0.0.0.0 (the scheduler's on the fixed 8787) unless told.
+LOOPBACK = ["--host", "127.0.0.1", "--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
 
 TRAIN = """%%distribute
 loader = DataLoader(data, batch_size=32, shuffle=True)
@@ -56,6 +60,16 @@ def _wait_for(predicate, timeout, what):
     raise TimeoutError(f"{what} within {timeout} s")
 
 
+def _listening_ips(processes):
+    """The addresses that processes (and what they started) listen on."""
+    ips = set()
+    for started in processes:
+        parent = psutil.Process(started.pid)
+        for process in [parent, *parent.children(recursive=True)]:
+            ips |= {c.laddr.ip for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    return ips
+
+
 def _stop(processes):
     """Stop what the test started, by pid, and check that it is gone."""
     for p in processes:
@@ -77,20 +91,19 @@ def dask_cli_cluster(tmp_path):
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     scheduler = subprocess.Popen(
-        [BIN / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-         "--scheduler-file", scheduler_file], **quiet)
+        [BIN / "dask", "scheduler", *LOOPBACK, "--port", "0", "--scheduler-file", scheduler_file], **quiet)
     processes = [scheduler]
     try:
         _wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "no scheduler file")
         address = json.loads(scheduler_file.read_text())["address"]
         for _ in range(2):
             processes.append(subprocess.Popen(
-                [BIN / "dask", "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
-                 "--no-dashboard", "--memory-limit", "0"], **quiet))
+                [BIN / "dask", "worker", address, "--nthreads", "1", *LOOPBACK, "--memory-limit", "0"], **quiet))
         from distributed import Client
 
         with Client(address, timeout=30) as client:
             client.wait_for_workers(2, timeout=60)
+        assert _listening_ips(processes) == {"127.0.0.1"}
         yield address, processes
     finally:
         _stop(processes)
@@ -190,6 +203,34 @@ def test_connect_to_an_ipcluster_by_its_connection_file(tmp_path):
         assert wait_gone(engines, timeout=20) == []
 
 
+def test_connect_to_nothing_fails_within_seconds_in_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed: nothing listens there
+    # What a cluster that is gone leaves behind: its controller's connection file.
+    url_file = tmp_path / "ipcontroller-gone-client.json"
+    url_file.write_text(json.dumps({
+        "ssh": "", "interface": "tcp://127.0.0.1", "location": "127.0.0.1", "task_scheme": "leastload",
+        **{channel: port for channel in ("registration", "control", "mux", "task", "iopub", "notification",
+                                         "broadcast", "hb_ping", "hb_pong")},
+        "key": "0" * 32, "signature_scheme": "hmac-sha256", "pack": "json", "unpack": "json"}))
+    k = Kernel()
+    try:
+        k.ok(SETUP)
+        for target, says in [(f"tcp://127.0.0.1:{port}", f"could not connect to the Dask scheduler at tcp://127.0.0.1:{port}"),
+                             (url_file, f"could not connect to the ipyparallel controller ({url_file})")]:
+            started = time.monotonic()
+            out = k.cell(f"%scale connect {target}", timeout=150)
+            elapsed = time.monotonic() - started
+            assert out.error is not None and says in out.error["evalue"], out.error_text
+            assert len(out.error["traceback"]) == 1, out.error_text  # one line, no traceback
+            assert elapsed < 10, f"{target}: {elapsed:.1f} s"  # not the 120 s start timeout
+            assert "no cluster running" in k.ok("%scale").stdout
+        assert k.descendants() == []
+    finally:
+        k.shutdown()
+
+
 def test_connect_to_dask_workers_without_torch_names_the_cause(tmp_path):
     broken = tmp_path / "site"
     (broken / "torch").mkdir(parents=True)
@@ -197,13 +238,12 @@ def test_connect_to_dask_workers_without_torch_names_the_cause(tmp_path):
     scheduler_file = tmp_path / "scheduler.json"
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     processes = [subprocess.Popen(
-        [BIN / "dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-         "--scheduler-file", scheduler_file], **quiet)]
+        [BIN / "dask", "scheduler", *LOOPBACK, "--port", "0", "--scheduler-file", scheduler_file], **quiet)]
     try:
         _wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "no scheduler file")
         address = json.loads(scheduler_file.read_text())["address"]
         processes.append(subprocess.Popen(
-            [BIN / "dask", "worker", address, "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+            [BIN / "dask", "worker", address, "--nthreads", "1", *LOOPBACK],
             env=dict(os.environ, PYTHONPATH=str(broken)), **quiet))
         k = Kernel()
         try:
@@ -218,3 +258,48 @@ def test_connect_to_dask_workers_without_torch_names_the_cause(tmp_path):
         assert all(p.poll() is None for p in processes)  # not ours: left running
     finally:
         _stop(processes)
+
+
+@pytest.fixture
+def dask_tls_cluster(tmp_path):
+    """A `dask` CLI scheduler and worker that speak TLS only, with a CA of the test's own."""
+    from distributed.security import Security
+
+    made = Security.temporary()  # a self-signed certificate: its own CA
+    cert, key = tmp_path / "cluster.pem", tmp_path / "cluster.key"
+    cert.write_text(made.tls_ca_file)
+    key.write_text(made.tls_client_key)
+    tls = ["--tls-ca-file", cert, "--tls-cert", cert, "--tls-key", key]
+    scheduler_file = tmp_path / "scheduler.json"
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    scheduler = subprocess.Popen([BIN / "dask", "scheduler", "--protocol", "tls", *LOOPBACK, "--port", "0",
+                                  "--scheduler-file", scheduler_file, *tls], **quiet)
+    processes = [scheduler]
+    try:
+        _wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "no scheduler file")
+        address = json.loads(scheduler_file.read_text())["address"]
+        assert address.startswith("tls://127.0.0.1:")
+        processes.append(subprocess.Popen([BIN / "dask", "worker", address, "--nthreads", "1", *LOOPBACK,
+                                           "--memory-limit", "0", *tls], **quiet))
+        yield address, cert, key
+    finally:
+        _stop(processes)
+
+
+def test_connect_to_a_tls_dask_cluster_takes_the_users_certificates(dask_tls_cluster):
+    address, cert, key = dask_tls_cluster
+    k = Kernel()
+    try:
+        k.ok(SETUP)
+        # Without credentials the scheduler turns the kernel away, and says so in one line.
+        out = k.cell(f"jupyter_scale.get_session().start_timeout = 10\n%scale connect {address}", timeout=120)
+        assert not out.ok and "could not connect to the Dask scheduler" in out.error_text, out.error_text
+        out = k.cell(f"%scale connect {address} --tls-cert {cert}", timeout=30)
+        assert "UsageError: TLS needs --tls-ca-file and --tls-cert" in out.stderr, out.stderr
+        k.ok(f"%scale connect {address} --workers 1 --tls-ca-file {cert} --tls-cert {cert} --tls-key {key}",
+             timeout=120)
+        out = k.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item(), world_size)")
+        assert "[rank 0] sum 1.0 1" in out.stdout
+        k.ok("%scale stop")
+    finally:
+        k.shutdown()

@@ -120,6 +120,20 @@ print("released")
     assert "[rank 0] released" in out.stdout
 
 
+def test_the_dask_scheduler_keeps_no_history_of_the_output(kernel):
+    if kernel.backend != "dask":
+        pytest.skip("Dask's scheduler keeps events by topic; ipyparallel's controller runs with --nodb")
+    out = kernel.ok("%%distribute\nimport time\nfor i in range(60):\n"
+                    "    print('line', i, flush=True)\n    report(loss=float(i))\n    time.sleep(0.06)")
+    assert out.stdout.count("] line ") == 120  # in some 150 output batches, and metrics batches
+    kernel.ok("session = jupyter_scale.get_session()\n"
+              "topics = [session.backend._output_topic, session.events.address.split('://')[1]]")
+    kept = kernel.value("session.backend.client.run_on_scheduler(lambda dask_scheduler, topics=topics: ("
+                        "[len(dask_scheduler.get_events(t)) for t in topics], "
+                        "[len(c.recent_message_log) for c in dask_scheduler.client_comms.values()]))")
+    assert max(kept[0] + kept[1]) <= 16, kept  # the scheduler's events of our topics, and its stream to us
+
+
 def test_torchrun_environment_and_injected_names(kernel):
     out = kernel.ok("""%%distribute
 import os
@@ -297,21 +311,39 @@ def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
 
 def test_the_clusters_files_are_readable_by_the_owner_only(kernel):
     import os
-    import stat
+    import tempfile
 
+    kernel.ok("%%distribute\nimport os\nos.write(1, b'in the log\\n')")  # the engines' logs hold this
     info = kernel.value("jupyter_scale.get_session().backend.describe()")
     if kernel.backend == "ipyparallel":
-        security = os.path.join(info["profile_dir"], "security")
-        files = [os.path.join(security, f) for f in os.listdir(security) if info["cluster_id"] in f]
-        assert len(files) >= 2  # the controller's client and engine connection files (keys)
-    else:  # Dask's LocalCluster keeps no connection file; each worker has a scratch directory
-        files = list(kernel.value(
+        # The controller's connection files (keys), the controller's and engines' logs.
+        below = info["profile_dir"]
+        files = [os.path.join(below, d, f) for d in ("security", "log")
+                 for f in os.listdir(os.path.join(below, d)) if info["cluster_id"] in f]
+        assert len(files) >= 5, files
+    else:  # Everything the scheduler and workers keep: scratch directories, lock files
+        below = tempfile.gettempdir()
+        workdir = next(iter(kernel.value(
             "jupyter_scale.get_session().backend.client.run(lambda dask_worker: dask_worker.local_directory)"
-        ).values())
-        assert len(files) == 2
+        ).values()))
+        files = [os.path.join(d, f) for d, dirs, names in os.walk(os.path.dirname(workdir)) for f in dirs + names]
+        assert len(files) >= 5, files  # 2 workers' and the scheduler's directories, their locks
     for path in files:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+        assert _closed_to_others(path, below), f"{path} is readable by other users"
+    kernel.ok("%scale stop")
+    assert not [path for path in files if os.path.exists(path)]  # and nothing is left
+
+
+def _closed_to_others(path, below):
+    """`path`, or one of its directories up to `below`, is open to its owner only."""
+    import os
+
+    while path != below:
+        if os.stat(path).st_mode & 0o077 == 0:
+            return True
+        path = os.path.dirname(path)
+    return False
+
 
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
     kernel.ok("%%distribute\npass")  # the cluster is up

@@ -1,6 +1,7 @@
 """Failures never leave anything behind: injected faults on real clusters of both engines."""
 
 import os
+import shutil
 import signal
 
 import psutil
@@ -26,6 +27,7 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
     try:
         k.ok(SETUP)
         k.ok("%%distribute --workers 2\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2")
+        store = k.value("jupyter_scale.get_session().group['store']['file']")
         started = psutil.Process(k.pid).children(recursive=True)
         ports = _listening_ports(started)
         assert len(started) >= 2 and ports
@@ -36,6 +38,12 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
         assert not still, f"left behind by a SIGKILLed kernel: {still}"
         listening = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
         assert not ports & listening, f"ports still listening: {ports & listening}"
+        # The group's store directory goes with the workers, or with the next kernel's first group.
+        if os.path.exists(os.path.dirname(store)):
+            from jupyter_scale import rendezvous
+
+            shutil.rmtree(rendezvous.new_store_dir())
+        assert not os.path.exists(os.path.dirname(store)), "the group's store directory was left behind"
     finally:
         k.client.stop_channels()
         k.manager.cleanup_resources()
@@ -117,7 +125,7 @@ print("port", os.environ["MASTER_PORT"], "sum", t.item())
             assert out is not None and out.ok, out.error_text if out else "no result"
             assert "[rank 1] port" in out.stdout and "sum 1.0" in out.stdout, out.stdout
             ports.add(out.stdout.split("port ")[1].split()[0])
-        assert len(ports) == 2 and "29500" not in ports  # each its own free port
+        assert "29500" not in ports  # a free port, never the fixed default
     finally:
         blocker.close()
         for k in kernels:
@@ -314,3 +322,128 @@ for _ in range(10_000):
         assert out.error is not None and out.error["ename"] == "KeyboardInterrupt", out.error_text
         assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
     assert "[rank 1] fine" in kernel.ok("%%distribute\ndist.barrier()\nprint('fine')").stdout
+
+
+def test_a_double_interrupt_stops_every_rank_and_the_next_cell_sees_its_own_tensors(kernel):
+    # Interrupts 0.3 ms apart, as an impatient double press sends them: one may land while
+    # the kernel handles the other. The ranks still stop, and the next cell neither waits for
+    # the old one nor reads frames the old one still reads.
+    import threading
+    import time
+
+    kernel.ok("big = torch.full((1_000_000,), 1.0)")  # 4 MB: through shared memory
+
+    def interrupt_twice():
+        for _ in range(3):
+            os.kill(kernel.pid, signal.SIGINT)
+            time.sleep(0.0003)
+
+    timer = threading.Timer(1.0, interrupt_twice)
+
+    def on_stream(name, text):
+        if "[rank 1] looping" in text and not timer.is_alive() and not timer.finished.is_set():
+            timer.start()
+
+    try:
+        out = kernel.cell("""%%distribute
+import time
+print("looping", flush=True)
+for progress in range(400):
+    total = big.sum().item()
+    time.sleep(0.05)
+""", timeout=90, on_stream=on_stream)
+    finally:
+        timer.cancel()
+    assert timer.finished.is_set(), "the loop never started"
+    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt", out.error_text
+    assert "ranks [0, 1] stopped" in out.error["evalue"], out.error_text
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
+    kernel.ok("big = torch.full((1_000_000,), 2.0)")
+    out = kernel.ok("""%%distribute
+assert progress < 399, progress          # the old loop was stopped, not waited for
+assert torch.equal(big, torch.full((1_000_000,), 2.0))
+print("right")
+""")
+    assert "[rank 0] right" in out.stdout and "[rank 1] right" in out.stdout
+
+
+@pytest.mark.parametrize("change", [
+    "m.append(nn.Linear(2, 2))",          # a layer added: keys the notebook's model lacks
+    "m[1] = nn.Linear(4, 3)",             # a layer reshaped
+    "m.double()",                         # another dtype
+])
+def test_a_pull_that_cannot_apply_leaves_the_notebooks_model_bit_identical(kernel, change):
+    kernel.ok("torch.manual_seed(0)\nm = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n"
+              "before = {k: v.clone() for k, v in m.state_dict().items()}")
+    out = kernel.ok(f"""%%distribute
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(1.0)                       # every tensor that still fits would be copied
+{change}
+""")
+    assert "could not pull 'm' back" in out.stderr and "unchanged" in out.stderr, out.stderr
+    assert kernel.value("all(torch.equal(before[k], v) and before[k].dtype == v.dtype "
+                        "for k, v in m.state_dict().items()) and len(before) == len(m.state_dict())") is True
+
+
+def test_processes_a_cell_left_running_stop_with_the_cluster(kernel):
+    # A cell that starts a server, or forgets to join its helper process: they outlive the
+    # cell, and would outlive the workers (orphans no one stops) without %scale stop's care.
+    kernel.ok("""%%distribute
+import multiprocessing, subprocess, time
+
+def start_and_forget():
+    helper = multiprocessing.Process(target=time.sleep, args=(600,))  # not a daemon: a worker's exit waits for it
+    helper.start()
+    return [subprocess.Popen(["sleep", "600"]).pid, helper.pid]
+
+left = start_and_forget()
+""")
+    pids = [pid for pair in kernel.value("jupyter_scale.get_session().gather('left')") for pid in pair]
+    processes = [psutil.Process(pid) for pid in pids]
+    assert len(processes) == 4 and all(p.is_running() for p in processes)
+    kernel.ok("%scale stop", timeout=60)
+    still = wait_gone(processes, timeout=15)
+    for process in still:  # clean up what the test caused, by pid, before failing
+        process.kill()
+    assert not still, f"left running by %scale stop: {still}"
+
+
+def test_bytes_that_are_not_utf8_in_an_engines_log_do_not_break_stop_or_restart(kernel):
+    # What a cell writes to fd 1 and 2 goes to the engine's log file, which is read when
+    # an engine ends (to say why); an engine that dies reads it at once.
+    out = kernel.cell("%%distribute\nimport os\nos.write(2, b'bad \\xff\\xfe\\xc3( bytes\\n')\n"
+                      "os.write(1, b'\\x80\\x81\\n')\nif rank == 1:\n    os._exit(3)", timeout=60)
+    assert "rank 1 failed: WorkerLost" in out.error_text, out.error_text
+    restarted = kernel.ok("%scale restart", timeout=120)
+    assert "2 workers ready" in restarted.stdout and "UnicodeDecodeError" not in restarted.stderr, restarted.stderr
+    kernel.ok("%%distribute\nimport os\nos.write(2, b'\\xff again\\n')")
+    stopped = kernel.ok("%scale stop", timeout=60)
+    assert "stopped 2 workers" in stopped.stdout and "UnicodeDecodeError" not in stopped.stderr, stopped.stderr
+
+
+def test_an_error_in_the_kernels_wait_stops_every_rank_before_the_cell_fails(kernel):
+    # Not an interrupt: anything else that ends the kernel's wait early (here a fault put
+    # into the kernel's event handling) must not leave the ranks running on unseen.
+    kernel.ok("""
+s = jupyter_scale.get_session()
+real_take_events = s._take_events
+calls = []
+def failing_take_events(*args):
+    calls.append(1)
+    if len(calls) == 20:
+        raise RuntimeError("a fault in the kernel")
+    return real_take_events(*args)
+s._take_events = failing_take_events
+""")
+    try:
+        out = kernel.cell("""%%distribute
+import time
+for progress in range(400):
+    time.sleep(0.05)
+""", timeout=90)
+    finally:
+        kernel.ok("s._take_events = real_take_events")
+    assert out.error is not None and "a fault in the kernel" in out.error_text, out.error_text
+    out = kernel.ok("%%distribute\nassert progress < 399, progress\nprint('stopped at', progress)")
+    assert "[rank 0] stopped at" in out.stdout and "[rank 1] stopped at" in out.stdout

@@ -1,5 +1,6 @@
 """The shared-memory transport of large frames (jupyter_scale.sharedmem), within one machine."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -46,6 +47,24 @@ def test_the_file_is_written_again_and_emptied_above_keep():
     assert os.fstat(d2["fd"]).st_size == 0
     out.close()
     assert not os.path.exists(f"/proc/self/fd/{d2['fd']}")
+
+
+def test_a_pack_that_fails_frees_what_it_wrote():
+    # A real write failure part-way: the process may hold files of 5 MB at most (memfds
+    # too), and the second 3 MB frame runs past that.
+    code = ("import os, resource, signal\n"
+            "from jupyter_scale import sharedmem\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (5 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+            "out = sharedmem.SharedFrames()\n"
+            "try:\n"
+            "    out.pack([bytes(3 << 20), bytes(3 << 20)])\n"
+            "except OSError as exc:\n"
+            "    print('failed', exc.errno)\n"
+            "print('size', os.fstat(out._fd).st_size)\n"
+            "print('again', out.pack([bytes(2 << 20)])[1]['size'])  # the file still works\n")
+    seen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert seen.stdout.split("\n")[:3] == [f"failed {errno.EFBIG}", "size 0", f"again {2 << 20}"], seen.stdout + seen.stderr
 
 
 def test_receiver_copies_tensor_frames_out_of_the_mapping():

@@ -1,6 +1,7 @@
 """Unit tests for the worker-side helpers that need no cluster."""
 
 import socket
+import sys
 
 import psutil
 import pytest
@@ -89,6 +90,49 @@ def test_line_labels_keep_partial_lines_per_rank():
     # Progress bars redraw with \r: each redraw is shown (and labelled) as it comes.
     assert labeler.feed(0, "stderr", " 10%|#\r") == "[rank 0]  10%|#\r"
     assert labeler.feed(0, "stderr", " 20%|##\r\n") == "[rank 0]  20%|##\r\n"
+    # ... also when the \r\n comes in two writes: no blank line is made up.
+    assert labeler.feed(0, "stderr", " 30%|###\r") == "[rank 0]  30%|###\r"
+    assert labeler.feed(0, "stderr", "\n") == "\n"
+    assert labeler.feed(0, "stderr", "\n") == "[rank 0] \n"  # a blank line of its own
+
+
+def _lines_run(code, call) -> int:
+    """Lines of Python that `call()` ran in function `code`: work counted, not timed."""
+    count = 0
+
+    def count_lines(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return count_lines
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: count_lines if frame.f_code is code else None)
+    try:
+        call()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def test_one_character_writes_are_each_scanned_once():
+    # A process that prints a character at a time (a progress dot per step): each write
+    # costs the same, however long the line so far. (Re-scanning it made 20k writes 14 s.)
+    labeler, text = _LineLabeler(), ("x" * 999 + "\n") * 2
+    out = []
+    work = _lines_run(_LineLabeler.feed.__code__, lambda: out.extend(labeler.feed(3, "stdout", ch) for ch in text))
+    assert "".join(out) == f"[rank 3] {'x' * 999}\n" * 2
+    assert work < 20 * len(text), work  # a few lines per write, not a pass over the line
+    labeler = _LineLabeler()
+    out = [labeler.feed(0, "stdout", ch) for ch in "y" * 20_000]
+    assert "".join(out) == "" and labeler.flush() == [("stdout", f"[rank 0] {'y' * 20_000}\n")]
+
+
+def test_a_line_that_never_ends_is_shown_at_64_kb():
+    labeler = _LineLabeler()
+    assert labeler.feed(1, "stdout", "z" * (64 * 1024 - 1)) == ""
+    assert labeler.feed(1, "stdout", "z") == f"[rank 1] {'z' * 64 * 1024}\n"  # shown, and no longer held
+    assert labeler.feed(1, "stdout", "rest\n") == "[rank 1] rest\n"
+    assert labeler.flush() == []
 
 
 def test_remote_error_blames_the_first_real_failure():

@@ -11,15 +11,22 @@ engine (Ray, plain MPI) is one new module plus one line in its package metadata.
 from __future__ import annotations
 
 import abc
+import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
+import psutil
+
 from ..errors import ClusterError, WorkerCallFailed, WorkerLost  # noqa: F401 - engines raise these
 
 ENTRY_POINT_GROUP = "jupyter_scale.backends"
+# How long `connect` waits for a scheduler or controller to answer. One that is there
+# answers in milliseconds; a wrong address (a refused port, a stale connection file) fails
+# within 10 s instead of the start timeout (120 s). Workers then get the start timeout.
+CONNECT_TIMEOUT_S = 8.0
 
 
 @dataclass
@@ -137,6 +144,35 @@ class Backend(abc.ABC):
         from ..metrics import EventStream
 
         return EventStream()
+
+
+def descendants(processes: list) -> list:
+    """psutil handles of every process that `processes` started, directly or not, now: once
+    its parent exits, an orphan can no longer be traced back to it."""
+    found = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            found.extend(process.children(recursive=True))
+    return found
+
+
+def end_processes(processes: list, timeout: float) -> None:
+    """SIGTERM, then SIGKILL for whatever still runs `timeout` s later. By pid: psutil
+    checks that a pid was not reused before it signals."""
+    def running(process) -> bool:  # a zombie is gone (an orphan's init may never reap it)
+        with contextlib.suppress(psutil.Error):
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    while any(map(running, processes)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for process in filter(running, processes):
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 def describe_exit(code: int | None) -> str:

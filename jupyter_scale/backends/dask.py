@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import pickle
+import tempfile
 import threading
 import time
 import types
@@ -31,10 +32,11 @@ from typing import Any, Callable
 import dask
 import psutil
 from distributed import Client, LocalCluster, Nanny, get_worker
+from distributed.security import Security
 
 from .. import metrics, worker
 from ..errors import ClusterError
-from . import Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
+from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ SCATTER_MIN_BYTES = 1 << 20
 OUTPUT_INTERVAL_S = 0.05
 CLIENT_SEND_INTERVAL_S = 0.001
 TOPIC_SCHEME = "dask-topic"
+# Dask's logs for debugging (see DaskBackend.start), short: they hold output and arguments.
+_FEW_KEPT = {"distributed.admin.low-level-log-length": 16}
 
 
 # --------------------------------------------------------------------------------------
@@ -359,16 +363,28 @@ class DaskBackend(Backend):
         self._alive_before: set[str] = set()
         self._alive_at = 0.0
         self.owns_cluster = True
+        self._scratch: tempfile.TemporaryDirectory | None = None
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self, n: int, timeout: float) -> None:
         if self.client is not None:
             raise ClusterError("the Dask cluster is already running")
+        try:
+            security = Security.temporary()
+        except ImportError as exc:
+            raise ClusterError("the embedded Dask cluster needs the cryptography package for its TLS "
+                               "(pip install 'jupyter_scale[dask]')") from exc
         options = dict(
             n_workers=n,
             threads_per_worker=1,  # one rank per worker, its calls in order
             processes=True,
             host="127.0.0.1",
+            # Mutual TLS with a throwaway CA made for this cluster: loopback is open to every
+            # local user, and a Dask client runs code on the scheduler (in this kernel) and
+            # the workers. Only holders of this cluster's certificate (the kernel's client,
+            # the scheduler, the nannies and workers) get in.
+            security=security,
+            protocol="tls://",
             scheduler_port=0,
             dashboard_address="127.0.0.1:0",  # loopback, a free port (8787 may be someone else's)
             memory_limit=0,  # no nanny killing a worker that trains a big model
@@ -378,6 +394,7 @@ class DaskBackend(Backend):
         nannies: list[_Nanny] = []
         options.setdefault("worker_class", type("_Nanny", (_Nanny,), {"born": nannies}))
         options.update(self._cluster_options)
+        scratch = tempfile.TemporaryDirectory(prefix="jupyter_scale-dask-")
         settings = {
             # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
             "distributed.worker.daemon": False,
@@ -386,6 +403,14 @@ class DaskBackend(Backend):
             # 20 ms) cost the training loop steps/s for numbers nobody reads here.
             "distributed.worker.profile.enabled": False,
             "distributed.admin.tick.interval": "1s",
+            # The scheduler keeps the last events of every topic (the output and metrics
+            # batches of every cell: 1000 each by default), and every process the last
+            # messages of each of its streams, for debugging: a few will do.
+            **_FEW_KEPT,
+            # The scheduler's and workers' files: not in Dask's /tmp/dask-scratch-space, shared
+            # by every user and readable by all, but in a directory of the cluster's own,
+            # owner-only, removed with it.
+            "temporary-directory": scratch.name,
             # Dask's nanny pins OMP/MKL/OpenBLAS to 1 thread per worker; leave the choice to
             # the worker code, which (like torchrun, and as on ipyparallel) gives each worker
             # cores / workers-per-host unless OMP_NUM_THREADS is set. It also sets glibc's
@@ -412,24 +437,36 @@ class DaskBackend(Backend):
                 raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
         try:
             # Direct: results and big arguments go straight between the kernel and a worker,
-            # not through the scheduler (which would copy them once more).
-            client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
+            # not through the scheduler (which would copy them once more). The scheduler
+            # makes its stream to the client now: it keeps few messages too.
+            with dask.config.set(_FEW_KEPT):
+                client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
             client.wait_for_workers(n, timeout=timeout)
         except BaseException as exc:
             cluster.close()
             if isinstance(exc, KeyboardInterrupt):
                 raise
             raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
-        self._cluster, self.owns_cluster = cluster, True
+        self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
         self._attach(client, n, timeout)
 
-    def connect(self, n: int | None, timeout: float, *, address: str = "", **unknown: Any) -> None:
+    def connect(self, n: int | None, timeout: float, *, address: str = "", tls: dict | None = None,
+                **unknown: Any) -> None:
         if unknown:
             raise ClusterError(f"a Dask cluster is found by its scheduler address, not {sorted(unknown)}")
         if self.client is not None:
             raise ClusterError("already attached to a Dask cluster")
+        # Without files given, Security() is Dask's own configuration (distributed.comm.tls.*).
+        security = Security() if not tls else Security(
+            tls_ca_file=tls["ca_file"], tls_client_cert=tls["cert"], tls_client_key=tls.get("key"),
+            require_encryption=True)
         try:
-            client = Client(address, set_as_default=False, timeout=timeout)
+            # Dask's timeout here is for reaching the scheduler (it retries a refused port
+            # until then); the workers get `timeout` below. A scheduler we connect to keeps
+            # the events of our topics as it is configured to (distributed.admin.
+            # low-level-log-length, 1000 by default); our client keeps few messages.
+            with dask.config.set(_FEW_KEPT):
+                client = Client(address, set_as_default=False, timeout=CONNECT_TIMEOUT_S, security=security)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -493,6 +530,9 @@ class DaskBackend(Backend):
                 for process in alive:
                     with contextlib.suppress(psutil.Error):
                         process.kill()
+                if self._scratch is not None:
+                    self._scratch.cleanup()
+                    self._scratch = None
 
     @property
     def running(self) -> bool:

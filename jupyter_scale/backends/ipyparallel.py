@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -15,7 +17,7 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLaun
 from traitlets import List
 
 from ..errors import ClusterError
-from . import Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
+from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
 log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
@@ -48,6 +50,15 @@ class _EngineLauncher(LocalEngineLauncher):
 
         self.process.wait = recording_wait
         super()._start_waiting()
+
+    def get_output(self, remove=False):
+        # ipyparallel reads the engine's output file as UTF-8 and raises on other bytes,
+        # which a cell may write to fd 1 or 2: stop and restart then failed.
+        if self._output is None and self.output_file:
+            with contextlib.suppress(FileNotFoundError):
+                with open(self.output_file, encoding="utf-8", errors="replace") as f:
+                    self._output = f.read()
+        return super().get_output(remove)
 
 
 # ipyparallel's engine, with the worker code (torch: a second or two) imported first: while
@@ -82,6 +93,24 @@ def _engine_launchers(cluster: ipp.Cluster | None) -> dict:
     for engine_set in (cluster.engines.values() if cluster is not None else ()):
         found.update(getattr(engine_set, "started_launchers", None) or getattr(engine_set, "launchers", {}))
     return found
+
+
+def _keep_private(cluster: ipp.Cluster) -> None:
+    """The profile's log directory and the cluster's files in it, owner-only.
+
+    The engines' logs hold what cells wrote to fd 1 and 2; ipyparallel leaves the directory
+    and the files to the umask (readable by every user, usually). Called before the
+    cluster starts (nothing is written where others can read it) and after (its files).
+    """
+    log_dir = os.path.join(cluster.profile_dir, "log")
+    try:
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        os.chmod(log_dir, 0o700)
+        for name in os.listdir(log_dir):
+            if cluster.cluster_id in name:
+                os.chmod(os.path.join(log_dir, name), 0o600)
+    except OSError as exc:  # a profile directory of someone else's: their choice
+        log.warning("could not make %s owner-only: %s", log_dir, exc)
 
 
 def _startup_failure(cluster: ipp.Cluster) -> str:
@@ -190,7 +219,12 @@ class IPyParallelBackend(Backend):
             controller_ip="127.0.0.1",
             controller_location="127.0.0.1",
             # --nodb: the controller would otherwise keep every result (whole models) forever.
-            controller_args=[f"--ping={HEARTBEAT_MS}", "--nodb"],
+            # CurveZMQ: every local user can reach the controller's loopback ports; without
+            # the server key (in the owner-only connection files) no one completes a
+            # handshake. HMAC signing alone leaves ZeroMQ's own frames open: one garbage
+            # connection to the controller's iopub port unsubscribed the kernel from every
+            # worker's output.
+            controller_args=[f"--ping={HEARTBEAT_MS}", "--nodb", "--IPController.enable_curve=True"],
             engine_timeout=int(timeout),
             # Engines start with the controller, not a second after it: they wait for its
             # connection file themselves (IPEngine.wait_for_url_file).
@@ -208,9 +242,11 @@ class IPyParallelBackend(Backend):
             options["engine_launcher_class"] = _EngineSetLauncher  # local engines, exit codes kept
         options.update(self._cluster_options)
         cluster = ipp.Cluster(**options)
+        _keep_private(cluster)
         try:
             client = cluster.start_and_connect_sync(activate=False)
             client.wait_for_engines(n, timeout=timeout)
+            _keep_private(cluster)
         except BaseException as exc:
             detail = _startup_failure(cluster) or str(exc)
             try:
@@ -233,15 +269,20 @@ class IPyParallelBackend(Backend):
             raise ClusterError("already attached to an ipyparallel cluster")
         where = url_file or f"profile {profile or 'default'}" + (f", cluster id {cluster_id}" if cluster_id else "")
         try:
+            # A controller answers at once; ZeroMQ retries a refused port in silence, so a
+            # stale connection file would otherwise hold the notebook for `timeout` (120 s).
             if url_file:
-                client = ipp.Client(url_file, timeout=timeout)
+                client = ipp.Client(url_file, timeout=CONNECT_TIMEOUT_S)
             else:
-                client = ipp.Client(profile=profile or "default", cluster_id=cluster_id or "", timeout=timeout)
+                client = ipp.Client(profile=profile or "default", cluster_id=cluster_id or "", timeout=CONNECT_TIMEOUT_S)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
+            hint = (f" (no answer within {CONNECT_TIMEOUT_S:.0f} s: is the cluster still running?)"
+                    if isinstance(exc, TimeoutError) else "")
+            said = " ".join(str(exc).split())  # ipyparallel's own messages span lines
             raise ClusterError(f"could not connect to the ipyparallel controller ({where}): "
-                               f"{type(exc).__name__}: {exc}") from exc
+                               f"{type(exc).__name__}: {said}{hint}") from exc
         try:
             if n:
                 client.wait_for_engines(n, timeout=timeout)
@@ -281,6 +322,10 @@ class IPyParallelBackend(Backend):
             client.close()
         if cluster is not None:
             cluster.stop_cluster_sync()
+            # The controller's list of its engines outlives it (only a shutdown of the hub
+            # itself removes it): one file per cluster piled up in the profile's log.
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
 
     @property
     def running(self) -> bool:

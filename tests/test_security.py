@@ -1,0 +1,169 @@
+"""Another local user against everything the kernel and its workers listen on.
+
+Loopback is open to every account on a shared machine. The neighbour here (uid 65534,
+see stranger.py) connects as a Dask client, writes the group's store, and sends garbage
+to every listening port of the kernel and its workers; afterwards nothing of theirs ran
+anywhere and the next cell gives the right answer with every reported point delivered.
+"""
+
+import json
+import os
+import subprocess
+import uuid
+
+import psutil
+import pytest
+
+from conftest import ENGINES, SETUP, _stop_and_check
+from kernel import Kernel
+from stranger import require_stranger, run_as_stranger
+
+CHECK_CELL = """%%distribute --workers 2
+t = torch.ones(1)
+for i in range(50):
+    dist.all_reduce(t)
+    t /= 2          # stays 1.0 when exactly this cell's two ranks add into it
+    report(loss=float(i))
+print("sum", t.item())
+"""
+
+
+@pytest.fixture
+def engine_kernel(request):
+    require_stranger()
+    k = Kernel(backend=request.param)
+    k.ok(SETUP)
+    yield k
+    _stop_and_check(k)
+
+
+def _cell_still_right(k):
+    out = k.ok(CHECK_CELL)
+    assert "[rank 0] sum 1.0" in out.stdout and "[rank 1] sum 1.0" in out.stdout, out.stdout
+    points = json.loads(k.value("__import__('json').dumps(jupyter_scale.history())"))
+    # Steps count on across cells: the reported values tell this cell's points apart.
+    assert sorted((p["rank"], p["loss"]) for p in points) == [(r, float(i)) for r in (0, 1) for i in range(50)]
+
+
+def _listening_ports(pids):
+    """Every TCP port the given processes listen on."""
+    ports = set()
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                ports.add((conn.laddr.ip, conn.laddr.port))
+    return sorted(ports)
+
+
+@pytest.mark.parametrize("engine_kernel", ["dask"], indirect=True)
+def test_a_stranger_cannot_use_the_embedded_dask_cluster(engine_kernel, tmp_path):
+    k = engine_kernel
+    k.ok("%scale start --workers 2")
+    addresses = json.loads(k.value("""__import__('json').dumps(
+        [jupyter_scale.get_session().backend.client.scheduler.address]
+        + [a for w in jupyter_scale.get_session().backend.client.run_on_scheduler(
+              lambda dask_scheduler: [(ws.address, ws.nanny) for ws in dask_scheduler.workers.values()])
+           for a in w])"""))
+    assert len(addresses) == 5 and all(a.startswith("tls://127.0.0.1:") for a in addresses), addresses
+    marker = f"/tmp/jupyter_scale-stranger-{uuid.uuid4().hex}"
+    result = run_as_stranger(f"""
+        import asyncio, time
+        from distributed import Client
+        from distributed.comm import connect
+        from distributed.security import Security
+
+        def plant():  # would run in the kernel (run_on_scheduler) or on a worker
+            open({marker!r}, "w").write("ran")
+
+        mine = Security.temporary()  # a certificate of the stranger's own
+        addresses = {addresses!r}
+        for security in (None, mine):
+            for address in (addresses[0], addresses[0].replace("tls://", "tcp://")):
+                started = time.monotonic()
+                try:
+                    client = Client(address, security=security, timeout=10)
+                except Exception as exc:
+                    print("refused", round(time.monotonic() - started, 1), type(exc).__name__)
+                    continue
+                print("CONNECTED", address)
+                for attempt in (client.run_on_scheduler, client.run, lambda f: client.submit(f).result()):
+                    try:
+                        attempt(plant)
+                    except Exception:
+                        pass
+
+        async def each_worker():
+            for address in addresses[1:]:
+                try:
+                    comm = await connect(address, timeout=5, **mine.get_connection_args("client"))
+                except Exception as exc:
+                    print("refused", type(exc).__name__)
+                    continue
+                print("CONNECTED", address)
+                await comm.write({{"op": "run", "function": plant}})
+        asyncio.run(each_worker())
+    """, timeout=180)
+    assert "CONNECTED" not in result.stdout, result.stdout + result.stderr
+    assert result.stdout.count("refused") == 8, result.stdout + result.stderr
+    # Each client attempt gave up within its 10 s (plus the stranger's own start-up).
+    assert all(float(line.split()[1]) < 15 for line in result.stdout.splitlines()
+               if line.startswith("refused ") and len(line.split()) == 3), result.stdout
+    assert not os.path.exists(marker)
+    _cell_still_right(k)
+
+
+PROBE_PORT = """
+    import datetime, os, socket
+    import torch.distributed as dist
+
+    host, port = {where!r}
+    try:  # as a TCPStore client: the abort key, and every key it can list
+        s = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
+        keys = s.list_keys()
+        for key in ["jupyter_scale/abort", *keys]:
+            s.set(key, "x")
+        print("TCPSTORE", keys)
+    except Exception:
+        pass
+    try:  # garbage, lines of it, then hang up
+        with socket.create_connection((host, port), timeout=2) as sock:
+            sock.sendall(os.urandom(4096) + b"\\n" * 10 + os.urandom(1 << 16))
+    except OSError:
+        pass
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("engine_kernel", ENGINES, indirect=True)
+def test_a_stranger_at_every_listening_port_changes_nothing(engine_kernel):
+    k = engine_kernel
+    _cell_still_right(k)  # the group exists: its store and gloo's sockets are there
+    workers = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    # The kernel and everything it started: workers, controller or scheduler, nannies.
+    pids = [k.pid, *(p.pid for p in psutil.Process(k.pid).children(recursive=True))]
+    ports = _listening_ports(pids)
+    assert ports and all(ip == "127.0.0.1" for ip, _ in ports), ports
+    store = k.value("jupyter_scale.get_session().group['store']")
+    result = run_as_stranger(f"""
+        import os
+        import torch.distributed as dist
+
+        store = {store!r}
+        try:  # the one-host group's store is a file in a directory of the kernel's user
+            dist.FileStore(store["file"], -1).set("jupyter_scale/abort", "1")
+            print("STORE WRITTEN")
+        except Exception as exc:
+            print("store refused", type(exc).__name__)
+        print("directory", oct(os.stat(os.path.dirname(store["file"])).st_mode & 0o777))
+    """)
+    assert "store refused" in result.stdout and "directory 0o700" in result.stdout, result.stdout + result.stderr
+    for where in ports:
+        try:
+            probe = run_as_stranger(PROBE_PORT.format(where=where), timeout=20)
+        except subprocess.TimeoutExpired:  # the stranger's client hung (a peer that never answers)
+            continue
+        assert "TCPSTORE" not in probe.stdout, (where, probe.stdout)
+    # The workers are the same processes, and the next cells are right, every point delivered.
+    assert k.value("[w['pid'] for w in jupyter_scale.get_session().workers]") == workers
+    _cell_still_right(k)
+    _cell_still_right(k)
