@@ -2,7 +2,7 @@
 
     python benchmarks/auto_vs_ddp.py [--backend ipyparallel|dask] [--repeat 3] [--steps 300]
 
-The same MLP, data and batch (64 per rank) on 2 workers: once as the DESIGN.md loop in
+The same MLP, data and batch (64 per rank) on 2 workers: once as the README's loop in
 automatic mode, once with --manual and jupyter_scale.wrap/shard (DDP). Runs alternate,
 each times its own steady state (after a warm-up) inside the cell; medians and the ratio
 are printed. Not a test: nothing asserts on time.

@@ -1060,7 +1060,7 @@ def _write(stream: str, text: str) -> None:
     target.flush()
 
 
-# The name users and DESIGN.md use. The class is called ScaleSession so that its
+# The name users and the README use. The class is called ScaleSession so that its
 # traitlets config section (c.ScaleSession.default_workers = 4) does not collide with
 # jupyter_client's `Session`.
 Session = ScaleSession

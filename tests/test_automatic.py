@@ -1,4 +1,4 @@
-"""Automatic mode: the DESIGN.md loop runs unchanged on 2 workers and computes the right thing.
+"""Automatic mode: the README's loop runs unchanged on 2 workers and computes the right thing.
 
 Every comparison trains real models on a real 2-rank gloo group and checks the weights.
 """

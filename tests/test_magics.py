@@ -18,7 +18,7 @@ for x, y in loader:
 assert isinstance(model, nn.Linear)
 assert len(jupyter_scale.history()) == 4
 """)
-    # The DESIGN.md loop, as it is under %%distribute, runs locally too.
+    # The README's loop, as it is under %%distribute, runs locally too.
     from test_automatic import DESIGN_LOOP, NOTEBOOK
 
     k.ok(NOTEBOOK)
