@@ -28,6 +28,8 @@ def get_session():
 
         shell = get_ipython()
         _session = ScaleSession(shell=shell, parent=shell) if shell is not None else ScaleSession()
+        if shell is not None and _session not in shell.configurables:
+            shell.configurables.append(_session)  # %config ScaleSession.rendezvous_address = "..."
     return _session
 
 

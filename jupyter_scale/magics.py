@@ -143,6 +143,9 @@ class ScaleMagics(Magics):
                    "(default: Dask's distributed.comm.tls configuration)")
     @argument("--tls-cert", default=None, help="for connect over tls://: this client's certificate (PEM)")
     @argument("--tls-key", default=None, help="for connect over tls://: its private key (PEM; default: in --tls-cert)")
+    @argument("--rendezvous", default=None, metavar="ADDRESS",
+              help="for connect to a cluster across hosts: where the ranks meet, an address of rank 0's host "
+                   "or a network to take rank 0's address in (10.2.0.0/16); sets ScaleSession.rendezvous_address")
     @line_magic
     def scale(self, line: str):
         """Manage the cluster behind %%distribute.
@@ -158,6 +161,7 @@ class ScaleMagics(Magics):
             %scale connect tcp://10.0.0.5:8786            # a running Dask scheduler
             %scale connect tls://10.0.0.5:8786 --tls-ca-file ca.pem --tls-cert me.pem --tls-key me.key
             %scale connect --profile mpi --workers 8      # a running ipcluster
+            %scale connect ipcontroller-client.json --rendezvous 10.2.0.0/16   # meet on that network
         """
         args = _parse(self.scale, line)
         if args.workers is not None and args.action not in ("start", "restart", "connect"):
@@ -170,6 +174,16 @@ class ScaleMagics(Magics):
             raise UsageError("--tls-ca-file, --tls-cert and --tls-key go with %scale connect tls://HOST:PORT (Dask)")
         if tls and ("ca_file" not in tls or "cert" not in tls):
             raise UsageError("TLS needs --tls-ca-file and --tls-cert (and --tls-key unless the key is in the cert file)")
+        if args.rendezvous is not None and args.action != "connect":
+            raise UsageError(f"--rendezvous goes with connect, not {args.action}")
+        if args.rendezvous:
+            import ipaddress
+
+            try:
+                ipaddress.ip_network(args.rendezvous, strict=False)
+            except ValueError:
+                raise UsageError(f"--rendezvous takes an IP address or a network (10.2.0.0/16), "
+                                 f"not {args.rendezvous!r}") from None
         session = self.session
         if args.action == "connect":
             if not where:
@@ -181,6 +195,8 @@ class ScaleMagics(Magics):
                 raise UsageError("connect finds the engine from what it connects to; drop --backend")
             if session.running:
                 raise UsageError(f"a cluster of {session.size} workers is already running; %scale stop it first")
+            if args.rendezvous is not None:
+                session.rendezvous_address = args.rendezvous
             session.connect(args.address, workers=args.workers, profile=args.profile, cluster_id=args.cluster_id,
                             tls=tls or None)
             return

@@ -19,6 +19,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,96 @@ def loopback_interface() -> str | None:
         if name.startswith("lo"):
             return name
     return None
+
+
+# --------------------------------------------------------------------------------------
+# Where the ranks meet, across hosts
+# --------------------------------------------------------------------------------------
+
+def node_identity() -> str:
+    """Which network stack this process sees: the boot (machine) and its network namespace.
+
+    Processes with the same identity share a loopback; a host name proves nothing (two
+    containers may share one, one machine's namespaces each have their own). Falls back to
+    the host name where /proc does not say.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return socket.gethostname()
+
+
+def interfaces() -> list[dict]:
+    """This host's IPv4 interfaces other than loopback: name, address, prefix length."""
+    import ipaddress
+
+    import psutil
+
+    found = []
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family != socket.AF_INET or not a.netmask or a.address.startswith("127."):
+                continue
+            prefix = ipaddress.IPv4Network(f"0.0.0.0/{a.netmask}").prefixlen
+            found.append({"name": name, "address": a.address, "prefixlen": prefix})
+    return found
+
+
+def source_address(toward: str) -> str | None:
+    """The address this host sends from to reach `toward` (the kernel's routing table
+    decides; a UDP connect sends nothing), or None without a route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((toward, 9))
+            return sock.getsockname()[0]
+        except OSError:
+            return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds `address` (loopback included)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            return name
+    return None
+
+
+def choose_rendezvous_address(workers: list[dict], wanted: str = "") -> str:
+    """Rank 0's address that every rank can reach, from what `worker.describe` said.
+
+    `wanted`: an address of rank 0's, or a network (10.1.0.0/16) to take rank 0's address
+    in. Otherwise rank 0's address on a network that holds every other host's address
+    toward the cluster, else the one rank 0 itself reaches the cluster from.
+    Raises ValueError, saying what rank 0 has, when neither gives an address.
+    """
+    import ipaddress
+
+    first = workers[0]
+    own = first.get("interfaces") or []
+    where = f"rank 0 (host {first.get('hostname', '?')}) has {', '.join(i['address'] for i in own) or 'no address'}"
+    if wanted:
+        if "/" in wanted:
+            network = ipaddress.ip_network(wanted, strict=False)
+            for i in own:
+                if ipaddress.ip_address(i["address"]) in network:
+                    return i["address"]
+            raise ValueError(f"rendezvous network {wanted}: {where}, none in it")
+        if wanted not in {i["address"] for i in own} and wanted != LOOPBACK:
+            raise ValueError(f"rendezvous address {wanted} is not rank 0's: {where}")
+        return wanted
+    others = [w.get("address") for w in workers[1:] if w.get("node") != first.get("node")]
+    for i in own:
+        network = ipaddress.ip_network(f"{i['address']}/{i['prefixlen']}", strict=False)
+        if others and all(a and ipaddress.ip_address(a) in network for a in others):
+            return i["address"]
+    if first.get("address") and not first["address"].startswith("127."):
+        return first["address"]
+    raise ValueError(f"no address to meet at: {where}, and none on the other hosts' networks; "
+                     "choose one with %scale connect --rendezvous")
 
 
 def open_store(master_addr: str, world_size: int, timeout: float) -> tuple[dist.TCPStore, int]:
@@ -152,23 +243,33 @@ def all_gather_json(value, device: torch.device | None = None) -> list:
     return [json.loads(bytes(g[:int(n.item())].cpu().tolist()).decode()) for g, n in zip(gathered, sizes)]
 
 
+_gloo_interface_set: str | None = None  # what set_torchrun_env last put in GLOO_SOCKET_IFNAME
+
+
 def set_torchrun_env(rank: int, world_size: int, local_rank: int, local_world_size: int,
-                     master_addr: str, master_port: int) -> None:
-    """The variables torchrun sets, so code written for torchrun runs unchanged."""
+                     master_addr: str, master_port: int, group_rank: int = 0) -> None:
+    """The variables torchrun sets, so code written for torchrun runs unchanged, and the
+    interface gloo listens on: without GLOO_SOCKET_IFNAME gloo takes the address the host
+    name resolves to, which may be none, or one the other hosts cannot reach."""
+    global _gloo_interface_set
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(local_rank),
         LOCAL_WORLD_SIZE=str(local_world_size),
-        GROUP_RANK="0",
+        GROUP_RANK=str(group_rank),
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
-    if master_addr == LOOPBACK and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo otherwise listens on the address the hostname resolves to.
+    current = os.environ.get("GLOO_SOCKET_IFNAME")
+    if current is not None and current != _gloo_interface_set:
+        return  # the user's choice
+    if master_addr == LOOPBACK:
         iface = loopback_interface()
-        if iface:
-            os.environ["GLOO_SOCKET_IFNAME"] = iface
+    else:  # the interface this host reaches rank 0 from (rank 0's own, on rank 0's host)
+        iface = interface_of(source_address(master_addr) or "")
+    if iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = _gloo_interface_set = iface
 
 
 def tcp_socket_inodes() -> set[int]:
@@ -237,23 +338,45 @@ class AbortWatch:
     formed anew for the next cell.
     """
 
+    # Across hosts, a store that does not answer for this long means rank 0's process or
+    # host is gone: the group cannot go on, and a peer blocked in a collective with a host
+    # that left the network would otherwise wait for TCP to give up (many minutes).
+    UNREACHABLE_S = 10.0
+
     def __init__(self, spec: dict, group_sockets: set[int], poll: float = 0.25):
-        self._store = group_store(spec, timeout=30)
+        self._remote = "file" not in spec
+        self._store = group_store(spec, timeout=self.UNREACHABLE_S if self._remote else 30)
         self._sockets = group_sockets
         self._poll = poll
         self._stop = threading.Event()
+        self._answered = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-abort-watch", daemon=True)
         self._thread.start()
+        if self._remote:  # a store's read may block for good on a dead link: timed apart from it
+            threading.Thread(target=self._guard, name="jupyter_scale-abort-guard", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll):
             try:
                 asked = self._store.check([ABORT_KEY])  # reads only: the store does not grow
-            except Exception:  # the store went away with its group: nothing left to watch
+            except Exception:  # the store went away: with rank 0 (across hosts), or with its group
+                asked = self._remote
+            if self._stop.is_set():
                 return
+            self._answered = time.monotonic()
             if asked:
-                cut_connections(self._sockets)
+                self._cut()
                 return
+
+    def _guard(self) -> None:
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self._answered > self.UNREACHABLE_S:
+                self._cut()
+                return
+
+    def _cut(self) -> None:
+        self._stop.set()  # once: the other thread ends too
+        cut_connections(self._sockets)
 
     def stop(self) -> None:
         self._stop.set()

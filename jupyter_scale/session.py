@@ -13,7 +13,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -166,6 +165,10 @@ class ScaleSession(LoggingConfigurable):
                               help="Seconds between the plain-text progress lines of a running cell.")
     heartbeat_interval = Float(5.0, config=True,
                                help="Seconds between the heartbeats each rank sends while a cell runs.")
+    silence_limit = Float(20.0, config=True,
+                          help="Seconds a running rank may go without a word (it sends a heartbeat every "
+                               "heartbeat_interval s) before the cell counts its worker as lost: its host left "
+                               "the network, or the process hangs holding the GIL. 0 turns it off.")
     hang_warning = Float(60.0, config=True,
                          help="Without --timeout there is no time limit; instead, when some ranks have "
                               "waited this many seconds in a collective that others are not in, say which "
@@ -179,6 +182,12 @@ class ScaleSession(LoggingConfigurable):
                                       "keep between cells, so that the next cell writes into memory already "
                                       "handed out (several times faster than fresh memory); a larger cell's "
                                       "file is emptied after the cell.")
+    rendezvous_address = Unicode("", config=True,
+                                 help="For a cluster across hosts: where the ranks meet, an address of rank 0's "
+                                      "host or a network (10.1.0.0/16) to take rank 0's address in. Default: rank "
+                                      "0's address on the network of the other hosts' (else the one it reaches "
+                                      "the controller or scheduler from). Each host's gloo then uses its "
+                                      "interface toward that address (unless GLOO_SOCKET_IFNAME is set).")
     poll_interval = Float(0.1, config=True,
                           help="Longest wait between checks for deadlines while a cell runs "
                                "(results and output wake the kernel at once).")
@@ -201,10 +210,13 @@ class ScaleSession(LoggingConfigurable):
         self._store_dir: str | None = None  # the one-host group's FileStore lives here
         self._helpers: set = set()  # processes the cluster's own processes started (psutil)
         self._group_ready = False
+        self._network_noted = False  # said once per cluster that gloo across hosts is unencrypted
+        self._hosts = 1  # hosts the group spans
         self._user_interrupted = False
         self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat in the running cell
+        self._heard: dict[int, float] = {}  # rank -> when (monotonic) the kernel last heard from it
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
         # of starting one; restarts re-attach, stop() forgets it.
@@ -316,6 +328,7 @@ class ScaleSession(LoggingConfigurable):
             raise ValueError("connect to what? a Dask scheduler address (tcp://host:port) or an "
                              "ipyparallel --profile / --cluster-id")
         self.connection = (name, where)
+        self._network_noted = False
         try:
             self.start(workers)
         except BaseException:
@@ -374,7 +387,8 @@ class ScaleSession(LoggingConfigurable):
         if not self.running:
             self.start(workers)
         elif self._lost_workers:
-            n = workers or self.size
+            # A connected cluster: the workers it has now (the lost ones may never come back).
+            n = workers or (None if self.connection else self.size)
             how = ("attaching again to the cluster's workers" if self.connection
                    else f"restarting the cluster with {n} workers")
             print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} is gone; {how} "
@@ -423,44 +437,76 @@ class ScaleSession(LoggingConfigurable):
             if self._frames_out is None:
                 self._frames_out = sharedmem.SharedFrames(self.shared_memory_keep)
             probe = sharedmem.probe(self._frames_out)
-        self.workers = backend.submit_each(worker.describe, [(probe,)] * n).wait(timeout)
+        # The kernel's FileStore directory, made before asking: a worker that sees it shares
+        # the kernel's file system (the one-host group's store lives there).
+        self._remove_store_dir()  # the previous group's
+        store_dir = rendezvous.new_store_dir()
+        toward = backend.contact_address() or rendezvous.LOOPBACK
+        try:
+            self.workers = backend.submit_each(worker.describe, [(probe, toward, store_dir)] * n).wait(timeout)
+        except BaseException:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            raise
         probes_back = [w.pop("shared_memory") for w in self.workers]
         self.shared_memory = all(p is not None and sharedmem.check_probe(*p) for p in probes_back)
-        hosts = [w["hostname"] for w in self.workers]
-        all_local = all(h == socket.gethostname() for h in hosts)
+        here = rendezvous.node_identity()
+        all_local = all(w["node"] == here and w["sees_store_dir"] for w in self.workers)
         dist_backend = rendezvous.select_backend([w["cuda_count"] for w in self.workers])
-        self._remove_store_dir()  # the previous group's
         if all_local:
             # One host (the embedded cluster): loopback only, and a store that only this
             # user can open (see rendezvous); MASTER_PORT is merely free for the cell's use.
             master_addr = rendezvous.LOOPBACK
-            self._store_dir = rendezvous.new_store_dir()
+            self._store_dir = store_dir
             store = {"file": os.path.join(self._store_dir, "store")}
             port = rendezvous.free_port(master_addr)
         else:
-            # Several: rank 0's host name, on a network the user trusts (see README,
-            # "Security"). Only rank 0 listens; it picks the port by binding port 0.
-            master_addr = hosts[0]
-            port = backend.submit_each(
+            # Several: an address of rank 0's that every rank reaches, on a network the user
+            # trusts (see README, "Security"). Only rank 0 listens; it binds port 0.
+            shutil.rmtree(store_dir, ignore_errors=True)
+            try:
+                master_addr = rendezvous.choose_rendezvous_address(self.workers, self.rendezvous_address)
+            except ValueError as exc:
+                raise ClusterError(f"cannot form the process group: {exc}") from None
+            opened = backend.submit_each(
                 worker.open_rendezvous, [(r == 0, master_addr, n, timeout) for r in range(n)]
             ).wait(timeout)[0]
+            if isinstance(opened, str):  # rank 0 could not listen there
+                raise ClusterError(f"cannot form the process group: rank 0 (host {self.workers[0]['hostname']}) "
+                                   f"cannot listen on {master_addr}: {opened}; choose with %scale connect --rendezvous")
+            port = opened
             # Handed to the ranks over the engine's authenticated channel only.
             store = {"addr": master_addr, "port": port, "prefix": f"jupyter_scale/{secrets.token_hex(16)}/"}
-        per_host = Counter(hosts)
+        nodes = [w["node"] for w in self.workers]
+        per_node = Counter(nodes)
+        node_rank = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
         seen: Counter = Counter()
         layouts = []
         for rank, w in enumerate(self.workers):
             layouts.append(dict(
-                rank=rank, world_size=n, local_rank=seen[w["hostname"]],
-                local_world_size=per_host[w["hostname"]], master_addr=master_addr,
-                master_port=port, store=store, backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
+                rank=rank, world_size=n, local_rank=seen[w["node"]], local_world_size=per_node[w["node"]],
+                group_rank=node_rank[w["node"]], master_addr=master_addr, master_port=port, store=store,
+                backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
             ))
-            seen[w["hostname"]] += 1
+            seen[w["node"]] += 1
         joined = backend.submit_each(worker.join_group, [(layout,) for layout in layouts]).wait(timeout)
+        failed = [(rank, j["error"]) for rank, j in enumerate(joined) if "error" in j]
+        if failed:
+            rank, error = failed[0]
+            hint = ("" if all_local else ". Every host must reach rank 0 there; pick the address with "
+                    "%scale connect --rendezvous (see README, Several hosts)")
+            raise ClusterError(f"rank {rank} (host {self.workers[rank]['hostname']}) could not join the process "
+                               f"group at {master_addr}:{port}: {error}{hint}")
         for w, j in zip(self.workers, joined):
             w["device"] = j["device"]
         self.group = {"backend": dist_backend, "master_addr": master_addr, "master_port": port, "store": store}
         self._group_ready = True
+        hosts = sorted(set(nodes))
+        self._hosts = len(hosts)
+        if len(hosts) > 1 and not self._network_noted:
+            self._network_noted = True
+            print(f"jupyter_scale: the ranks span {len(hosts)} hosts and exchange tensors (gloo) and the group's "
+                  f"store ({master_addr}) unencrypted and unauthenticated: keep these hosts on a network "
+                  "you trust (see README, Security)", file=sys.stderr, flush=True)
 
     def _remove_store_dir(self) -> None:
         if self._store_dir is not None:
@@ -572,7 +618,7 @@ class ScaleSession(LoggingConfigurable):
         try:
             running = [r for r in job.ranks if not job.done(r) and r not in self._lost_workers]
             if running:
-                self.backend.interrupt(running)
+                self.backend.interrupt(running, self._run_id())
                 started = time.monotonic()
                 aborted = False
                 while running and time.monotonic() - started < self.stop_deadline:
@@ -668,8 +714,10 @@ class ScaleSession(LoggingConfigurable):
         return self.events
 
     def _take_events(self, record: RunRecord, view: "_RunView") -> None:
+        heard = time.monotonic()
         for event in self.events.drain() if self.events is not None else ():
             kind = event.get("kind")
+            self._heard[event["rank"]] = heard
             self._notify("event", event)
             if kind == "heartbeat":
                 self._beats[event["rank"]] = event
@@ -729,6 +777,7 @@ class ScaleSession(LoggingConfigurable):
         interrupt_sent = 0.0
         timed_out = False
         self._beats: dict[int, dict] = {}
+        self._heard = {}
         warned_at = time.monotonic()
 
         def stop_running(reason: str) -> None:
@@ -736,7 +785,7 @@ class ScaleSession(LoggingConfigurable):
             running = [r for r in job.ranks if r not in headers and r not in lost]
             if running and interrupted_at is None:
                 log.info("interrupting ranks %s: %s", running, reason)
-                backend.interrupt(running)
+                backend.interrupt(running, self._run_id())
                 # A rank blocked inside a collective does not see SIGINT until it
                 # returns: ranks that already finished cut their connections, which
                 # makes that collective fail.
@@ -774,6 +823,8 @@ class ScaleSession(LoggingConfigurable):
                     except WorkerLost as exc:
                         lost.append(rank)
                         how = self._how_it_died(rank) if not isinstance(exc, WorkerCallFailed) else ""
+                        if self._hosts > 1:
+                            how += f" (host {self.workers[rank]['hostname']})"
                         failures.append(RankFailure(rank, type(exc).__name__, f"{exc}{how}", "", time.time(),
                                                     lost=True, cause=exc))
                         first_failure = first_failure or time.monotonic()
@@ -785,6 +836,12 @@ class ScaleSession(LoggingConfigurable):
                 if len(headers) + len(lost) == len(job.ranks):
                     break
                 now = time.monotonic()
+                for rank in self._gone_silent(job, headers, lost, now):
+                    lost.append(rank)
+                    exc = WorkerLost(rank, f"nothing heard from it (host {self.workers[rank]['hostname']}) for "
+                                           f"{self._silence_s():g} s: its host left the network, or the process hangs")
+                    failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True, cause=exc))
+                    first_failure = first_failure or now
                 if first_failure is None and interrupted_at is None:
                     warned_at = self._warn_if_waiting(
                         [r for r in job.ranks if r not in headers and r not in lost], warned_at)
@@ -804,10 +861,17 @@ class ScaleSession(LoggingConfigurable):
                 if interrupted_at is not None and now - interrupted_at > self.stop_deadline:
                     stuck = [r for r in job.ranks if r not in headers and r not in lost]
                     self._group_ready = False
-                    self._lost_workers = stuck  # the next cell replaces them
-                    raise ClusterError(
-                        f"ranks {stuck} did not stop within {self.stop_deadline:g} s of being "
-                        "interrupted; the next %%distribute restarts the workers")
+                    said = f"did not stop within {self.stop_deadline:g} s of being interrupted"
+                    if not lost:
+                        self._lost_workers = stuck  # the next cell replaces them
+                        raise ClusterError(f"ranks {stuck} {said}; the next %%distribute restarts the workers")
+                    # Stuck with the lost workers (e.g. in a collective with a host that left
+                    # the network): the lost ones are the cause; the next cell replaces both.
+                    for rank in stuck:
+                        lost.append(rank)
+                        failures.append(RankFailure(rank, "WorkerLost", said, "", time.time(), lost=True,
+                                                    interrupted=True))
+                    break
                 job.wait_activity(self.poll_interval)
             except KeyboardInterrupt:  # off the main thread, where SIGINT is not noted
                 interrupts.count += 1
@@ -835,6 +899,26 @@ class ScaleSession(LoggingConfigurable):
         else:
             error = RemoteError(failures)
         return headers, frames_back, error, lost
+
+    def _run_id(self) -> str | None:
+        return self.events.run if self.events is not None else None
+
+    def _gone_silent(self, job: Job, headers: dict, lost: list[int], now: float) -> list[int]:
+        """Running ranks that said nothing (no heartbeat, point or state) for silence_limit s.
+
+        The engine's own word on a host that left the network can take minutes (a Dask
+        scheduler waits for its worker's TTL, TCP for its retries); each rank's heartbeat
+        says within seconds. Counted from a rank's first word: before it, the rank may still
+        be receiving the cell's values.
+        """
+        if not self.silence_limit:
+            return []
+        return [r for r in job.ranks if r not in headers and r not in lost and r in self._heard
+                and now - self._heard[r] > self._silence_s() and not job.done(r)]
+
+    def _silence_s(self) -> float:
+        # Never less than two heartbeats and then some, whatever the two are set to.
+        return max(self.silence_limit, 2 * self.heartbeat_interval + 2)
 
     def _how_it_died(self, rank: int, wait: float = 2.0) -> str:
         """' (its process was killed by SIGKILL)', when the engine can tell.

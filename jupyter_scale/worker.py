@@ -61,6 +61,7 @@ class _WorkerState:
     watch: Any = None  # rendezvous.AbortWatch of the current group
     sink: Any = None  # metrics.EventSink to the kernel's event stream
     cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
+    cell_run: str = ""  # the run id of the cell running now
     collective: tuple | None = None  # (name, since) of the blocking collective the cell is in
     failed_in: str | None = None  # the collective the cell was in when it raised
     frames_out: Any = None  # sharedmem.SharedFrames: rank 0's pull-back through shared memory
@@ -78,16 +79,20 @@ _interrupted = threading.Event()  # wakes the cell thread's time.sleep for an in
 _original_sleep = time.sleep
 
 
-def interrupt_cell() -> bool:
+def interrupt_cell(run: str | None = None) -> bool:
     """Raise KeyboardInterrupt in the thread running the cell, as SIGINT does in a main thread.
 
     For engines that run cells in a worker thread (Dask), where a signal cannot reach
     the cell. Called from another thread; fires at most once per cell and never between
     cells or during a failed cell's clean-up. Like SIGINT, it takes effect when the cell's
     thread next runs Python code, and it wakes a time.sleep of the cell; a rank blocked in
-    a collective is freed by the abort watch instead.
+    a collective is freed by the abort watch instead. `run`: only if the cell running is
+    that run (an interrupt held up on the way, e.g. by a network outage, must not stop a
+    later cell).
     """
     with _interrupt_lock:
+        if run is not None and run != _state.cell_run:
+            return False
         ident, _state.cell_thread = _state.cell_thread, None
         if ident is None:
             return False
@@ -134,10 +139,15 @@ def _cell_may_be_interrupted(yes: bool) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), ctypes.c_void_p(0))
 
 
-def describe(shared_memory_probe: tuple | None = None) -> dict:
+def describe(shared_memory_probe: tuple | None = None, toward: str | None = None,
+             store_dir: str | None = None) -> dict:
     """Facts the kernel needs to lay out ranks: host, pid, GPUs, and whether this worker
     reads the kernel's shared memory (`sharedmem.probe`); if it does, a probe of this
-    worker's own for the kernel to check (large frames then go both ways through it)."""
+    worker's own for the kernel to check (large frames then go both ways through it).
+
+    Where it is on the network: its network stack (`node`: who shares its loopback), its
+    addresses, the one it reaches the cluster's controller or scheduler (`toward`) from,
+    and whether it sees the kernel's `store_dir` (one file system for a FileStore)."""
     probe_back = None
     if shared_memory_probe and sharedmem.check_probe(*shared_memory_probe):
         if _state.frames_out is None:
@@ -146,6 +156,10 @@ def describe(shared_memory_probe: tuple | None = None) -> dict:
     return {
         "shared_memory": probe_back,
         "hostname": socket.gethostname(),
+        "node": rendezvous.node_identity(),
+        "interfaces": rendezvous.interfaces(),
+        "address": rendezvous.source_address(toward) if toward else None,
+        "sees_store_dir": bool(store_dir) and os.path.isdir(store_dir),
         "pid": os.getpid(),
         "cuda_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "python": sys.version.split()[0],
@@ -221,12 +235,16 @@ def reset() -> None:
     _state = _WorkerState()
 
 
-def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout: float) -> int | None:
-    """On rank 0 of a group across hosts: listen for the group; returns the port chosen."""
+def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout: float) -> int | str | None:
+    """On rank 0 of a group across hosts: listen for the group; returns the port chosen,
+    or why it cannot listen at `master_addr` (for the kernel to say)."""
     if not is_master:
         return None
     _state.store = _state.master_store = None  # close the previous store first (frees its port)
-    _state.master_store, port = rendezvous.open_store(master_addr, world_size, timeout)
+    try:
+        _state.master_store, port = rendezvous.open_store(master_addr, world_size, timeout)
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return port
 
 
@@ -241,7 +259,7 @@ def join_group(layout: dict) -> dict:
     _state.device = rendezvous.select_device(layout["backend"], _state.local_rank, layout["cuda_count"])
     _state.recorder = Recorder(rank=rank)
     rendezvous.set_torchrun_env(rank, world_size, _state.local_rank, _state.local_world_size,
-                                layout["master_addr"], layout["master_port"])
+                                layout["master_addr"], layout["master_port"], layout.get("group_rank", 0))
     if _state.device.type == "cpu":
         # As `accelerate launch --cpu` does: without it accelerate (the Hugging Face Trainer)
         # takes a machine without a GPU for one process, and every rank trains on all the data.
@@ -252,9 +270,13 @@ def join_group(layout: dict) -> dict:
     # Rank 0 of a group across hosts opened the TCPStore in open_rendezvous.
     _state.store_file = layout["store"].get("file")
     master = _state.master_store if rank == 0 and "file" not in layout["store"] else None
-    _state.store = rendezvous.group_store(layout["store"], layout["timeout"], master)
     _state.backend = layout["backend"]
-    _state.group_sockets = rendezvous.init_group(_state.store, _state.backend, rank, world_size, _state.device)
+    try:
+        _state.store = rendezvous.group_store(layout["store"], layout["timeout"], master)
+        _state.group_sockets = rendezvous.init_group(_state.store, _state.backend, rank, world_size, _state.device)
+    except (RuntimeError, OSError) as exc:  # e.g. rank 0's address unreachable from this host
+        _state.store = None
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     _state.group_ready = True
     _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets)
     _install_torchrun_compat()
@@ -443,7 +465,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
-    sink = _connect_events(request.get("events"), request.get("events_key", ""), request.get("run", ""))
+    _state.cell_run = request.get("run", "")
+    sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)
     _state.collective = _state.failed_in = None
     if sink is not None:
         sink.heartbeat_interval = request.get("heartbeat", 0.0)

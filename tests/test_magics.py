@@ -44,6 +44,8 @@ assert len(jupyter_scale.history()) == 4
         ("%scale start tcp://127.0.0.1:8786", "goes with connect, not start"),
         ("%scale connect tcp://127.0.0.1:8786 --profile p", "not both"),
         ("%scale connect tcp://127.0.0.1:8786 --backend dask", "drop --backend"),
+        ("%scale connect tcp://127.0.0.1:8786 --rendezvous rank0", "--rendezvous takes an IP address or a network"),
+        ("%scale start --rendezvous 10.0.0.0/8", "--rendezvous goes with connect, not start"),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(kernel_for_usage, line, message):

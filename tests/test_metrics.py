@@ -344,6 +344,11 @@ if rank == 0:  # a process on the cluster without the key sends what it likes
         for m in rogue_messages:
             rogue.send(m)
         rogue.close(linger=5000)
+    elif events_address.startswith("ipyparallel-iopub://"):  # the engine's own channel
+        from jupyter_scale.backends.ipyparallel import _IOPubTransport
+        channel = _IOPubTransport(events_address)
+        for m in rogue_messages:
+            channel.send(m)
     else:  # Dask: the run's event topic
         from distributed import get_worker
         for m in rogue_messages:
@@ -378,7 +383,7 @@ def test_history_holds_exactly_the_ranks_points_whatever_else_arrives(kernel, tm
              _sign(events["key"], dict(forged, events=[_point(loss=-1000.0)]))]
     marks = str(tmp_path / uuid.uuid4().hex)
     kernel.ok(f"rogue_messages, events_address, marks = {rogue!r}, {events['address']!r}, {marks!r}")
-    flooded = events["address"].startswith("tcp://")  # Dask's topic has no port to flood
+    flooded = events["address"].startswith("tcp://")  # the engines' channels have no port to flood
     strangers = _flood_as_stranger(events["address"]) if flooded else 0  # between cells
     results = []
     cell = threading.Thread(target=lambda: results.append(kernel.cell(FLOODED_CELL)))

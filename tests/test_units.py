@@ -1,6 +1,8 @@
 """Unit tests for the worker-side helpers that need no cluster."""
 
+import os
 import socket
+import subprocess
 import sys
 
 import psutil
@@ -196,6 +198,71 @@ def test_a_dead_worker_is_the_cause_and_keeps_the_engines_error():
 def test_loopback_interface_exists():
     name = rendezvous.loopback_interface()
     assert name and name in {n for _, n in socket.if_nameindex()}
+
+
+def _host(name, node, address, *interfaces):
+    return {"hostname": name, "node": node, "address": address,
+            "interfaces": [{"name": n, "address": a, "prefixlen": p} for n, a, p in interfaces]}
+
+
+def test_the_rendezvous_is_rank_0s_address_on_the_other_hosts_network():
+    # rank 0's host has a management interface (routed toward the controller) and the
+    # cluster network that the other hosts are on: the ranks meet on the latter.
+    workers = [_host("a", "n0", "10.9.0.4", ("mgmt", "10.9.0.4", 24), ("ib0", "192.168.7.1", 24)),
+               _host("a", "n0", "10.9.0.4", ("mgmt", "10.9.0.4", 24), ("ib0", "192.168.7.1", 24)),
+               _host("b", "n1", "192.168.7.2", ("ib0", "192.168.7.2", 24))]
+    assert rendezvous.choose_rendezvous_address(workers) == "192.168.7.1"
+    # No shared network: where rank 0 reaches the cluster from (a routed network).
+    workers[2] = _host("b", "n1", "172.16.0.9", ("eth0", "172.16.0.9", 16))
+    assert rendezvous.choose_rendezvous_address(workers) == "10.9.0.4"
+    # The user's choice: an address of rank 0's, or a network to take rank 0's address in.
+    assert rendezvous.choose_rendezvous_address(workers, "192.168.7.1") == "192.168.7.1"
+    assert rendezvous.choose_rendezvous_address(workers, "192.168.0.0/16") == "192.168.7.1"
+    with pytest.raises(ValueError, match=r"10.1.2.3 is not rank 0's: rank 0 \(host a\) has 10.9.0.4, 192.168.7.1"):
+        rendezvous.choose_rendezvous_address(workers, "10.1.2.3")
+    with pytest.raises(ValueError, match="rendezvous network 10.77.0.0/16: .* none in it"):
+        rendezvous.choose_rendezvous_address(workers, "10.77.0.0/16")
+    # Nothing but loopback toward the cluster and no network in common: say what there is.
+    lonely = [_host("a", "n0", "127.0.0.1"), _host("b", "n1", "172.16.0.9", ("eth0", "172.16.0.9", 16))]
+    with pytest.raises(ValueError, match="no address to meet at: .* choose one with %scale connect --rendezvous"):
+        rendezvous.choose_rendezvous_address(lonely)
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """set_torchrun_env writes os.environ: whatever it sets is undone afterwards (the kernels
+    later tests start inherit this process's environment)."""
+    saved = dict(os.environ)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(rendezvous, "_gloo_interface_set", None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_gloo_listens_on_the_interface_toward_the_rendezvous(torchrun_env):
+    env = dict(rank=1, world_size=2, local_rank=0, local_world_size=1, master_port=1234)
+    rendezvous.set_torchrun_env(master_addr="127.0.0.1", **env)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == rendezvous.loopback_interface()
+    own = rendezvous.interfaces()
+    if own:  # a group across hosts that meets at this host's address: that address's interface
+        rendezvous.set_torchrun_env(master_addr=own[0]["address"], group_rank=1, **env)
+        assert os.environ["GLOO_SOCKET_IFNAME"] == own[0]["name"]
+        assert os.environ["GROUP_RANK"] == "1"
+    os.environ["GLOO_SOCKET_IFNAME"] = "users-own"  # set by the user: kept
+    rendezvous.set_torchrun_env(master_addr="127.0.0.1", **env)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "users-own"
+
+
+def test_processes_share_a_node_when_they_share_a_network_stack():
+    here = rendezvous.node_identity()
+    assert here == rendezvous.node_identity() and "net:[" in here
+    other = subprocess.run(["unshare", "--net", sys.executable, "-c",
+                            "from jupyter_scale import rendezvous; print(rendezvous.node_identity())"],
+                           capture_output=True, text=True, timeout=60)
+    if other.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {other.stderr.strip()[-200:]}")
+    assert other.stdout.strip() != here and other.stdout.split("/")[0] == here.split("/")[0]
 
 
 def test_default_engine_comes_from_config_then_environment(monkeypatch):

@@ -115,8 +115,9 @@ class Backend(abc.ABC):
         """Run fn(*args_per_rank[rank]) on each worker."""
 
     @abc.abstractmethod
-    def interrupt(self, ranks: list[int]) -> None:
-        """Deliver SIGINT (KeyboardInterrupt) to the given ranks' workers."""
+    def interrupt(self, ranks: list[int], run: str | None = None) -> None:
+        """Deliver SIGINT (KeyboardInterrupt) to the given ranks' workers; where the engine
+        can, only while they run the cell of `run` (the request's run id)."""
 
     def dead_ranks(self) -> list[int]:
         """Ranks whose worker process is known to be gone."""
@@ -125,6 +126,12 @@ class Backend(abc.ABC):
     def exit_code(self, pid: int) -> int | None:
         """How a worker process this backend started ended: its exit status, or minus the
         signal that killed it; None while it runs or where the engine cannot tell."""
+        return None
+
+    def contact_address(self) -> str | None:
+        """The IP address at which the workers reach the cluster (its controller or
+        scheduler): each worker says which of its addresses it reaches it from, which is
+        where the process group meets (see rendezvous.choose_rendezvous_address)."""
         return None
 
     def describe(self) -> dict:

@@ -215,10 +215,10 @@ def dask_setup(dask_worker) -> None:
     os.setpgrp()
 
 
-async def _interrupt() -> bool:
+async def _interrupt(run: str | None = None) -> bool:
     # A coroutine, so Client.run can fire it without waiting: it runs in the worker's event
     # loop, beside the busy task thread.
-    return worker.interrupt_cell()
+    return worker.interrupt_cell(run)
 
 
 # --------------------------------------------------------------------------------------
@@ -573,6 +573,13 @@ class DaskBackend(Backend):
     def open_events(self) -> metrics.EventQueue:
         return _TopicEventQueue(self._require_client())
 
+    def contact_address(self) -> str | None:
+        if self.client is None:
+            return None
+        from distributed.comm import get_address_host
+
+        return get_address_host(self.client.scheduler.address)
+
     # -- liveness ------------------------------------------------------------------
     def _alive_addresses(self, fresh: bool = False) -> set[str]:
         now = time.monotonic()
@@ -645,10 +652,19 @@ class DaskBackend(Backend):
         self._require_client()
         return self._new_job(fn, {r: (tuple(a), None) for r, a in enumerate(args_per_rank)}, [])
 
-    def interrupt(self, ranks: list[int]) -> None:
+    def interrupt(self, ranks: list[int], run: str | None = None) -> None:
         if self.client is None:
             return
         alive = self._alive_addresses(fresh=True)
         targets = [self._addresses[r] for r in ranks if self._addresses[r] in alive]
         if targets:
-            self.client.run(_interrupt, workers=targets, wait=False)
+            # From a thread of its own: the scheduler answers once it reached every target,
+            # and a worker whose host left the network is reached late or never; the cell's
+            # wait loop goes on meanwhile.
+            client = self.client
+
+            def send() -> None:
+                with contextlib.suppress(Exception):
+                    client.run(_interrupt, run, workers=targets, wait=False, on_error="ignore")
+
+            threading.Thread(target=send, name="jupyter_scale-interrupt", daemon=True).start()

@@ -16,6 +16,7 @@ import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import List
 
+from .. import metrics
 from ..errors import ClusterError
 from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
@@ -126,8 +127,71 @@ def _startup_failure(cluster: ipp.Cluster) -> str:
     return "; ".join(found[:2])
 
 
+# --------------------------------------------------------------------------------------
+# The event stream over the engines' own channel
+# --------------------------------------------------------------------------------------
+# Workers on other hosts cannot reach a socket on the kernel's loopback. Each engine already
+# has an authenticated (and, with CurveZMQ, encrypted) channel to every client: its IOPub
+# stream through the controller, which carries what the cell prints. The metrics batches
+# travel on it as ipyparallel "data messages", addressed to the running call's request.
+
+IOPUB_SCHEME = "ipyparallel-iopub"
+_DATA_KEY = "jupyter_scale-events"
+
+
+class _IOPubTransport:
+    """metrics.EventSink transport over the engine's IOPub channel (worker side)."""
+
+    def __init__(self, address: str):
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None or getattr(shell, "kernel", None) is None:
+            raise RuntimeError("not in an ipyparallel engine")
+        self._kernel = shell.kernel
+
+    def send(self, message: str) -> bool:
+        from ipyparallel.serialize import serialize_object
+
+        kernel = self._kernel
+        # The request the engine runs now (the cell's call): the kernel's client hands the
+        # message to that call's future. IOPubThread sends from its own thread (thread-safe).
+        kernel.session.send(kernel.iopub_socket, "data_message", content={"keys": [_DATA_KEY]},
+                            parent=kernel.get_parent("shell"), buffers=serialize_object({_DATA_KEY: message}),
+                            ident=b"datapub")
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+metrics.register_transport(IOPUB_SCHEME, _IOPubTransport)
+
+
+def _call(fn: Callable, *args: Any) -> Any:
+    """Every call runs through here: the engine imports this module first, which registers
+    the event transport above."""
+    return fn(*args)
+
+
+class _IOPubEventQueue(metrics.EventQueue):
+    """The kernel's end: fed by the callbacks of every call's futures (client IO thread)."""
+
+    address = f"{IOPUB_SCHEME}://"
+
+    def take(self, client: ipp.Client, msg: dict) -> None:
+        if msg["header"]["msg_type"] != "data_message" or _DATA_KEY not in msg["content"].get("keys", ()):
+            return
+        # ipyparallel put the message's data into the call's metadata just before this.
+        data = client.metadata.get(msg["parent_header"].get("msg_id"), {}).get("data", {})
+        message = data.pop(_DATA_KEY, None)
+        if message is not None:
+            self.accept(message)
+
+
 class _IPPJob(Job):
-    def __init__(self, client: ipp.Client, async_result, ranks: list[int]):
+    def __init__(self, client: ipp.Client, async_result, ranks: list[int],
+                 events: _IOPubEventQueue | None = None):
         self._client = client
         self._ar = async_result
         self.ranks = ranks
@@ -142,6 +206,8 @@ class _IPPJob(Job):
             future.add_done_callback(lambda _f: self._activity.set())
             future.output.add_done_callback(lambda _f: self._activity.set())
             future.iopub_callbacks.append(lambda _msg: self._activity.set())
+            if events is not None:
+                future.iopub_callbacks.append(lambda msg: events.take(client, msg))
 
     def wait_activity(self, timeout: float) -> None:
         self._activity.wait(timeout)
@@ -209,6 +275,7 @@ class IPyParallelBackend(Backend):
         self._cluster: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
         self._engine_ids: list[int] = []
+        self._events: _IOPubEventQueue | None = None
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self, n: int, timeout: float) -> None:
@@ -347,6 +414,19 @@ class IPyParallelBackend(Backend):
             info["controller"] = getattr(self._client, "_config", {}).get("registration", "")
         return info
 
+    def open_events(self) -> metrics.EventQueue:
+        self._events = _IOPubEventQueue()
+        return self._events
+
+    def contact_address(self) -> str | None:
+        if self._client is None:
+            return None
+        config = getattr(self._client, "_config", {})
+        host = config.get("registration", "").rpartition(":")[0].split("://")[-1]
+        if host in ("", "*", "0.0.0.0"):  # a controller on every interface: where clients are told to go
+            host = config.get("location") or None
+        return host
+
     def exit_code(self, pid: int) -> int | None:
         for launcher in _engine_launchers(self._cluster).values():
             if getattr(launcher, "pid", None) == pid:
@@ -376,8 +456,8 @@ class IPyParallelBackend(Backend):
         # A broadcast view sends the message (and its buffers) once to the controller,
         # which fans it out: the kernel's cost does not grow with the number of workers.
         view = client.broadcast_view(targets=[self._engine_ids[r] for r in ranks])
-        ar = view.apply_async(fn, *args)
-        return _IPPJob(client, ar, ranks)
+        ar = view.apply_async(_call, fn, *args)
+        return _IPPJob(client, ar, ranks, self._events)
 
     def dead_ranks(self) -> list[int]:
         if self._client is None:
@@ -389,12 +469,14 @@ class IPyParallelBackend(Backend):
         client = self._require_client()
         children = []
         for rank, args in enumerate(args_per_rank):
-            ar = client[self._engine_ids[rank]].apply_async(fn, *args)
+            ar = client[self._engine_ids[rank]].apply_async(_call, fn, *args)
             children.extend(ar._children)
         combined = ipp.AsyncResult(client, children, fname=getattr(fn, "__name__", "call"), targets=self._engine_ids)
-        return _IPPJob(client, combined, list(range(self.size)))
+        return _IPPJob(client, combined, list(range(self.size)), self._events)
 
-    def interrupt(self, ranks: list[int]) -> None:
+    def interrupt(self, ranks: list[int], run: str | None = None) -> None:
+        # A signal carries no run id; an engine cut off from the controller is unregistered
+        # by it and not used again, so no late SIGINT reaches a later cell.
         client = self._client
         if client is None:
             return
