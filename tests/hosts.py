@@ -360,6 +360,34 @@ def remove_leftovers(timeout: float = 10) -> list[str]:
     return removed
 
 
+_LOCK = "/run/jscale.lock"  # held by the process whose set of hosts is open (one set per machine)
+
+
+class HostsBusy(RuntimeError):
+    """Another process's test hosts are open (they share the subnet)."""
+
+
+def _take_lock(wait: float) -> int:
+    """The machine-wide lock of test hosts: another process's set is waited for up to `wait`
+    seconds (a benchmark and a test run take turns), then HostsBusy."""
+    import fcntl
+
+    fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline, said = time.monotonic() + wait, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise HostsBusy(f"another process's test hosts stayed open for {wait:.0f} s") from None
+            if not said:
+                print("hosts.py: waiting for another process's test hosts to close", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.5)
+
+
 def _check_subnet_free() -> None:
     aliases = {link["ifname"]: link.get("ifalias", "") for link in json.loads(_ip("-j", "link", "show").stdout)}
     for link in json.loads(_ip("-j", "addr", "show").stdout):
@@ -576,9 +604,11 @@ class Host:
 class Hosts:
     """n hosts on one bridge: names f"{prefix}{i}", addresses SUBNET.(10 + i). Host 0 is the usual
     head (controller, scheduler). Only one set may be open on the machine at a time (they share
-    the subnet). A context manager; close() also runs at exit if it was forgotten."""
+    the subnet): another process's set is waited for, up to `wait` s (a machine-wide lock); a
+    second set in one process is an error. A context manager; close() also runs at exit if it
+    was forgotten."""
 
-    def __init__(self, n: int, prefix: str = "jsh"):
+    def __init__(self, n: int, prefix: str = "jsh", wait: float = 1800):
         self.owner = _owner()
         tag = _base36(os.getpid())  # interface names have at most 15 characters
         self.bridge = f"js{tag}b"
@@ -590,7 +620,10 @@ class Hosts:
         self._made = []  # (kind, name) of what was made
         self._closed = False
         atexit.register(self.close)
+        self._lock = None
         try:
+            if not _open:  # this process's own open set is an error below, not a wait
+                self._lock = _take_lock(wait)
             remove_leftovers()
             _check_subnet_free()
             # Seen by all hosts and the root namespace, like a home directory on a network file system.
@@ -657,6 +690,9 @@ class Hosts:
             self._undo.pop()()
         if left := self.left_behind():
             errors.append(RuntimeError(f"left behind: {left}"))
+        if self._lock is not None:
+            os.close(self._lock)  # releases it
+            self._lock = None
         if errors:
             raise errors[0]
 
@@ -685,10 +721,12 @@ def unavailable_reason() -> str | None:
     if _open:
         return None  # some are open: it works
     try:
-        with Hosts(1, prefix="probe") as hosts:
+        with Hosts(1, prefix="probe", wait=0) as hosts:
             r = hosts[0].run(["hostname"], timeout=10)
             if r.returncode or r.stdout.strip() != "probe0":
                 return f"a command in a test host did not run there: {r.stdout}{r.stderr}"
+    except HostsBusy:
+        return None  # another process has some open: it works here
     except Exception as e:
         return f"cannot make test hosts: {e}"
     return None
