@@ -753,7 +753,26 @@ def _wait(what: str, ready, popens: list[subprocess.Popen], logs: list[Path], de
         time.sleep(0.2)
 
 
-class IPCluster:
+class _Cluster:
+    """A head process (controller, scheduler) and each worker host's processes, stopped by pid."""
+
+    def _head(self) -> subprocess.Popen | None:
+        raise NotImplementedError
+
+    def _members(self) -> dict[str, list[subprocess.Popen]]:
+        raise NotImplementedError
+
+    def popens(self) -> list[subprocess.Popen]:
+        return [p for p in [self._head(), *sum(self._members().values(), [])] if p]
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop the worker hosts' processes with their children, then the head, by pid."""
+        left = _stop(sum(self._members().values(), []), timeout) + _stop(self.popens(), timeout)
+        if left:
+            raise RuntimeError(f"could not stop {left}")
+
+
+class IPCluster(_Cluster):
     """ipcontroller in the head host, listening on its address, and ipengines in worker hosts."""
 
     def __init__(self, directory: Path, profile: Path):
@@ -768,14 +787,11 @@ class IPCluster:
     def engines_of(self, host: Host) -> list[subprocess.Popen]:
         return list(self.engines.get(host.name, []))
 
-    def popens(self) -> list[subprocess.Popen]:
-        return [p for p in [self.controller, *sum(self.engines.values(), [])] if p]
+    def _head(self):
+        return self.controller
 
-    def stop(self, timeout: float = 10) -> None:
-        """Stop the engines, then the controller, and their children (nannies, schedulers), by pid."""
-        left = _stop(sum(self.engines.values(), []), timeout) + _stop(self.popens(), timeout)
-        if left:
-            raise RuntimeError(f"could not stop {left}")
+    def _members(self):
+        return self.engines
 
 
 def start_ipcluster(head: Host, workers: list[Host], per_host: int, directory: str,
@@ -831,7 +847,7 @@ def start_ipcluster(head: Host, workers: list[Host], per_host: int, directory: s
     return cluster
 
 
-class DaskCluster:
+class DaskCluster(_Cluster):
     """`dask scheduler` in the head host and `dask worker`s in worker hosts, all over mutual TLS."""
 
     def __init__(self, address: str, tls: dict):
@@ -851,14 +867,11 @@ class DaskCluster:
         (one nanny per worker in the command's process, which starts the worker's process)."""
         return list(self.workers.get(host.name, []))
 
-    def popens(self) -> list[subprocess.Popen]:
-        return [p for p in [self.scheduler, *sum(self.workers.values(), [])] if p]
+    def _head(self):
+        return self.scheduler
 
-    def stop(self, timeout: float = 10) -> None:
-        """Stop the worker commands with their worker processes, then the scheduler, by pid."""
-        left = _stop(sum(self.workers.values(), []), timeout) + _stop(self.popens(), timeout)
-        if left:
-            raise RuntimeError(f"could not stop {left}")
+    def _members(self):
+        return self.workers
 
 
 def write_tls_files(directory: str) -> dict:

@@ -118,9 +118,13 @@ def multihost(request):
 def test_a_group_of_two_hosts_trains_the_readmes_loop_like_one(multihost):
     k = multihost.kernel
     assert "span 2 hosts" in multihost.connected.stderr and "unencrypted" in multihost.connected.stderr
-    k.ok(NOTEBOOK)
+    k.ok(NOTEBOOK + "\njupyter_scale.get_session().heartbeat_interval = 0.2  # a few beats in a short cell")
     out = k.ok(TRAIN, timeout=300)
     assert "points did not reach" not in out.stderr, out.stderr
+    # Each rank's states and heartbeats came from its host too.
+    states = k.value("sorted((s['rank'], s['state'], s.get('host')) for s in jupyter_scale.get_session().runs[-1].states)")
+    beats = k.value("sorted(jupyter_scale.get_session()._beats)")
+    k.ok("jupyter_scale.get_session().heartbeat_interval = 5.0")
     k.ok("""
 session = jupyter_scale.get_session()
 ws = session.gather("weights")
@@ -138,6 +142,9 @@ assert not session.shared_memory  # each host has its own /dev/shm: values went 
     assert {s["master"] for s in seen} == {rank0.address}  # an address, not a host name that resolves nowhere
     assert {s["gloo"] for s in seen} == {"eth0"}  # each host's interface toward it (its only link)
     assert {s["world_size"] for s in seen} == {4}
+    assert [(r, st) for r, st, _ in states] == [(r, st) for r in range(4) for st in ("finished", "running")], states
+    assert {(r, h) for r, st, h in states if st == "running"} == {(r, s["host"]) for r, s in enumerate(seen)}, states
+    assert beats == [0, 1, 2, 3], beats
     # Every point of every rank reached the kernel: 2 epochs of 1024 / (4 x 32) steps each.
     counts = k.value("dict(__import__('collections').Counter(p['rank'] for p in jupyter_scale.history()))")
     assert counts == {r: 16 for r in range(4)}, counts
