@@ -447,6 +447,16 @@ class ScaleSession(LoggingConfigurable):
         except BaseException:
             shutil.rmtree(store_dir, ignore_errors=True)
             raise
+        # Each host's ranks next to each other, hosts in the order their first rank came: ranks
+        # numbered as torchrun numbers them (node by node), and a ring collective crosses
+        # between hosts once per host, not at every hop.
+        first = {}
+        for rank, w in enumerate(self.workers):
+            first.setdefault(w["node"], rank)
+        order = sorted(range(n), key=lambda r: (first[self.workers[r]["node"]], r))
+        if order != list(range(n)):
+            backend.order_ranks(order)
+            self.workers = [self.workers[r] for r in order]
         probes_back = [w.pop("shared_memory") for w in self.workers]
         self.shared_memory = all(p is not None and sharedmem.check_probe(*p) for p in probes_back)
         here = rendezvous.node_identity()

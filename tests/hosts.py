@@ -408,6 +408,21 @@ def _check_subnet_free() -> None:
 # hosts
 
 
+def _needed_under_tmp() -> list[str]:
+    """What every host must see that lives under this machine's /tmp (relative to it): the
+    repository and the Python environment, where a checkout was made there."""
+    tmp = Path("/tmp")
+    found: list[Path] = []
+    for path in sorted({Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve(),
+                        Path(os.path.realpath(sys.executable)).parent}, key=lambda p: len(p.parts)):
+        if tmp in path.parents and not any(f == path or f in path.parents for f in found):
+            found.append(path)
+    rels = [str(p.relative_to(tmp)) for p in found]
+    if any(len(rel.split()) != 1 for rel in rels):
+        raise RuntimeError(f"test hosts cannot share a path with white space in it: {rels}")
+    return rels
+
+
 class Host:
     """One "machine": a network namespace on the bridge with its own host name, IPC, processes
     (PID namespace), /proc, /tmp and /dev/shm."""
@@ -440,7 +455,12 @@ class Host:
         # shows the PID namespace of the process that mounts it), then becomes _INIT.
         for path in self._ns.values():
             Path(path).touch()
-        setup = ('hostname "$1" && mount -t tmpfs -o mode=1777 tmpfs /tmp'
+        # The host's /tmp is its own, except what this machine keeps there that every host
+        # needs (a checkout and its virtual environment under /tmp, as CI may have): bound
+        # back in from the old /tmp, held open as fd 3 while the new one is mounted over it.
+        setup = ('hostname "$1" && exec 3</tmp && mount -t tmpfs -o mode=1777 tmpfs /tmp'
+                 ' && for rel in $4; do mkdir -p "/tmp/$rel" && mount --no-canonicalize --bind "/proc/self/fd/3/$rel" "/tmp/$rel"'
+                 ' || exit 1; done && exec 3<&-'
                  ' && mount -t tmpfs -o mode=1777 tmpfs /dev/shm'
                  ' && umount -l /sys && mount -t sysfs sysfs /sys'  # /sys/class/net of this host, as ip netns exec does
                  ' && umount -l /proc && mount -t proc proc /proc'
@@ -450,7 +470,7 @@ class Host:
              f"--mount={self._ns['mnt']}", "--propagation=private",
              "--fork", "--kill-child",  # should unshare be killed, its child (init) is too
              "nsenter", f"--net=/run/netns/{self.netns}", "sh", "-c", setup, "sh", self.name,
-             sys.executable, _INIT],
+             sys.executable, _INIT, " ".join(_needed_under_tmp())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)
         deadline = time.monotonic() + timeout

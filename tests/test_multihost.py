@@ -135,6 +135,8 @@ assert not session.shared_memory  # each host has its own /dev/shm: values went 
     seen = k.value("jupyter_scale.get_session().gather('seen')")
     names = [h.name for h in multihost.worker_hosts]
     assert sorted(s["host"] for s in seen) == sorted(names * PER_HOST)
+    ordered = [s["host"] for s in seen]  # each host's ranks together, as torchrun numbers them
+    assert ordered[0] == ordered[1] != ordered[2] == ordered[3], ordered
     for host in names:  # torchrun's per-host numbering
         mine = [s for s in seen if s["host"] == host]
         assert sorted(s["local_rank"] for s in mine) == [0, 1] and {s["local_world_size"] for s in mine} == {2}
@@ -238,14 +240,14 @@ def test_a_host_lost_mid_training_fails_the_cell_naming_its_ranks_and_host(multi
     # Link down: rank 0's host (where the group's store is: the hard case); killed: the other one.
     victim = next(h for h in setup.worker_hosts if (h.name == where[0]) == (fault == "link down"))
     ranks = [r for r, h in enumerate(where) if h == victim.name]
-    harm = victim.link_down if fault == "link down" else victim.stop_processes
+    harm = victim.link_down if fault == "link down" else lambda: victim.stop_processes(timeout=0)  # SIGKILL
     try:
         out, took = _fault(setup, harm)
     finally:
         victim.link_up()
-    print(f"{setup.engine}, {fault}: the cell failed {took:.1f} s after the fault")
     assert not out.ok
     said = out.error_text
+    print(f"{setup.engine}, {fault}: the cell failed {took:.1f} s after the fault: {out.error['evalue']}")
     assert f"rank {ranks[0]}" in said and victim.name in said, said
     assert "WorkerDied" in said, said
     # The notebook keeps its objects; the next cell runs on the workers that remain (or are back).

@@ -128,6 +128,12 @@ class Backend(abc.ABC):
         signal that killed it; None while it runs or where the engine cannot tell."""
         return None
 
+    def order_ranks(self, order: list[int]) -> None:
+        """Renumber the workers: rank i becomes the worker that was rank order[i] (the session
+        puts each host's ranks together, as torchrun numbers them)."""
+        if order != list(range(self.size)):
+            raise ClusterError(f"the {self.name} backend cannot renumber its workers")
+
     def contact_address(self) -> str | None:
         """The IP address at which the workers reach the cluster (its controller or
         scheduler): each worker says which of its addresses it reaches it from, which is

@@ -570,6 +570,10 @@ class DaskBackend(Backend):
                 found.append(psutil.Process(pid))
         return found
 
+    def order_ranks(self, order: list[int]) -> None:
+        self._addresses = [self._addresses[i] for i in order]
+        self._pids = [self._pids[i] for i in order]
+
     def open_events(self) -> metrics.EventQueue:
         return _TopicEventQueue(self._require_client())
 

@@ -190,11 +190,12 @@ class _IOPubEventQueue(metrics.EventQueue):
 
 
 class _IPPJob(Job):
-    def __init__(self, client: ipp.Client, async_result, ranks: list[int],
+    def __init__(self, client: ipp.Client, async_result, ranks: list[int], engine_ids: list[int],
                  events: _IOPubEventQueue | None = None):
         self._client = client
         self._ar = async_result
         self.ranks = ranks
+        self._engine_ids = dict(zip(ranks, engine_ids))
         # One message future per rank, in the order the ranks were targeted.
         self._futures = dict(zip(ranks, async_result._children))
         self._replied_at: dict[int, float] = {}
@@ -219,13 +220,22 @@ class _IPPJob(Job):
         # come (an engine that died), shortly after its reply.
         future = self._futures[rank]
         if not future.done():
-            return False
+            return self._unregistered(rank)
         if future.output.done():
             return True
         first_seen = self._replied_at.setdefault(rank, time.monotonic())
         return time.monotonic() - first_seen > OUTPUT_GRACE_S
 
+    def _unregistered(self, rank: int) -> bool:
+        # The controller unregisters an engine whose heartbeats stop (killed with its nanny,
+        # or its host left the network) but does not fail a broadcast call it was running:
+        # that call would never end.
+        return self._engine_ids[rank] not in self._client.ids
+
     def result(self, rank: int) -> Any:
+        if not self._futures[rank].done() and self._unregistered(rank):
+            raise WorkerLost(rank, f"engine {self._engine_ids[rank]} is no longer registered with the controller "
+                                   "(it stopped answering its heartbeats)")
         value = self._futures[rank].result()
         if isinstance(value, ipp.error.EngineError):
             raise WorkerLost(rank, str(value))
@@ -414,6 +424,9 @@ class IPyParallelBackend(Backend):
             info["controller"] = getattr(self._client, "_config", {}).get("registration", "")
         return info
 
+    def order_ranks(self, order: list[int]) -> None:
+        self._engine_ids = [self._engine_ids[i] for i in order]
+
     def open_events(self) -> metrics.EventQueue:
         self._events = _IOPubEventQueue()
         return self._events
@@ -457,7 +470,7 @@ class IPyParallelBackend(Backend):
         # which fans it out: the kernel's cost does not grow with the number of workers.
         view = client.broadcast_view(targets=[self._engine_ids[r] for r in ranks])
         ar = view.apply_async(_call, fn, *args)
-        return _IPPJob(client, ar, ranks, self._events)
+        return _IPPJob(client, ar, ranks, [self._engine_ids[r] for r in ranks], self._events)
 
     def dead_ranks(self) -> list[int]:
         if self._client is None:
@@ -472,7 +485,7 @@ class IPyParallelBackend(Backend):
             ar = client[self._engine_ids[rank]].apply_async(_call, fn, *args)
             children.extend(ar._children)
         combined = ipp.AsyncResult(client, children, fname=getattr(fn, "__name__", "call"), targets=self._engine_ids)
-        return _IPPJob(client, combined, list(range(self.size)), self._events)
+        return _IPPJob(client, combined, list(range(self.size)), list(self._engine_ids), self._events)
 
     def interrupt(self, ranks: list[int], run: str | None = None) -> None:
         # A signal carries no run id; an engine cut off from the controller is unregistered
