@@ -135,6 +135,8 @@ def choose_rendezvous_address(workers: list[dict], wanted: str = "") -> str:
             return i["address"]
     if first.get("address") and not first["address"].startswith("127."):
         return first["address"]
+    if not others:  # every rank on rank 0's host, which reaches the cluster over loopback
+        return LOOPBACK
     raise ValueError(f"no address to meet at: {where}, and none on the other hosts' networks; "
                      "choose one with %scale connect --rendezvous")
 

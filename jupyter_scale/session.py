@@ -972,6 +972,8 @@ class ScaleSession(LoggingConfigurable):
         if not self.group:
             return
         self._group_ready = False  # the group is cut: the next cell forms a new one
+        if self.group["store"].get("addr") == rendezvous.LOOPBACK:
+            return  # the loopback of the workers' host, not ours: the ranks cut each other loose
         try:
             rendezvous.request_abort(self.group["store"])
         except Exception:  # the store is gone with rank 0; its peers fail on their own

@@ -223,6 +223,8 @@ def test_the_rendezvous_is_rank_0s_address_on_the_other_hosts_network():
     with pytest.raises(ValueError, match="rendezvous network 10.77.0.0/16: .* none in it"):
         rendezvous.choose_rendezvous_address(workers, "10.77.0.0/16")
     # Nothing but loopback toward the cluster and no network in common: say what there is.
+    # Every rank on one host that reaches its controller over loopback (a tunnel): loopback.
+    assert rendezvous.choose_rendezvous_address([_host("a", "n0", "127.0.0.1")] * 2) == "127.0.0.1"
     lonely = [_host("a", "n0", "127.0.0.1"), _host("b", "n1", "172.16.0.9", ("eth0", "172.16.0.9", 16))]
     with pytest.raises(ValueError, match="no address to meet at: .* choose one with %scale connect --rendezvous"):
         rendezvous.choose_rendezvous_address(lonely)
