@@ -49,10 +49,11 @@ from pathlib import Path
 
 import psutil
 
+from hosts import _owner, _owner_alive  # a process's 'pid.start time', and whether it still runs
+
 PARTITION = "test"
 _PREFIX = "jscale-slurm-"  # temporary directories: f"{_PREFIX}{owner}-XXXXXXXX"
 _DIR = re.compile(re.escape(_PREFIX) + r"(\d+\.\d+)-")
-_OWNER = re.compile(r"(\d+)\.(\d+)")
 _DAEMONS = ("munged", "slurmctld", "slurmd")
 _TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun")
 # Job states in which a job still holds (or waits for) resources: what plain `squeue` lists.
@@ -110,19 +111,6 @@ class SlurmError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # helpers
 
-
-def _owner(pid: int | None = None) -> str:
-    """'pid.start time' of a process: unlike a pid alone, never the same for two processes."""
-    p = psutil.Process(pid)
-    return f"{p.pid}.{int(p.create_time())}"
-
-
-def _owner_alive(owner: str) -> bool:
-    m = _OWNER.fullmatch(owner)
-    try:
-        return bool(m) and _owner(int(m[1])) == owner
-    except psutil.Error:
-        return False
 
 
 def _tail(path: Path, lines: int = 15) -> str:
