@@ -79,7 +79,7 @@ def interfaces() -> list[dict]:
         for a in addresses:
             if a.family != socket.AF_INET or not a.netmask or a.address.startswith("127."):
                 continue
-            prefix = ipaddress.IPv4Network(f"0.0.0.0/{a.netmask}").prefixlen
+            prefix = ipaddress.ip_interface(f"{a.address}/{a.netmask}").network.prefixlen
             found.append({"name": name, "address": a.address, "prefixlen": prefix})
     return found
 

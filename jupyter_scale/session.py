@@ -211,7 +211,6 @@ class ScaleSession(LoggingConfigurable):
         self._helpers: set = set()  # processes the cluster's own processes started (psutil)
         self._group_ready = False
         self._network_noted = False  # said once per cluster that gloo across hosts is unencrypted
-        self._hosts = 1  # hosts the group spans
         self._user_interrupted = False
         self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
@@ -450,10 +449,8 @@ class ScaleSession(LoggingConfigurable):
         # Each host's ranks next to each other, hosts in the order their first rank came: ranks
         # numbered as torchrun numbers them (node by node), and a ring collective crosses
         # between hosts once per host, not at every hop.
-        first = {}
-        for rank, w in enumerate(self.workers):
-            first.setdefault(w["node"], rank)
-        order = sorted(range(n), key=lambda r: (first[self.workers[r]["node"]], r))
+        node_rank = {node: i for i, node in enumerate(dict.fromkeys(w["node"] for w in self.workers))}
+        order = sorted(range(n), key=lambda r: node_rank[self.workers[r]["node"]])  # stable: rank order within a host
         if order != list(range(n)):
             backend.order_ranks(order)
             self.workers = [self.workers[r] for r in order]
@@ -486,9 +483,7 @@ class ScaleSession(LoggingConfigurable):
             port = opened
             # Handed to the ranks over the engine's authenticated channel only.
             store = {"addr": master_addr, "port": port, "prefix": f"jupyter_scale/{secrets.token_hex(16)}/"}
-        nodes = [w["node"] for w in self.workers]
-        per_node = Counter(nodes)
-        node_rank = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
+        per_node = Counter(w["node"] for w in self.workers)
         seen: Counter = Counter()
         layouts = []
         for rank, w in enumerate(self.workers):
@@ -510,11 +505,9 @@ class ScaleSession(LoggingConfigurable):
             w["device"] = j["device"]
         self.group = {"backend": dist_backend, "master_addr": master_addr, "master_port": port, "store": store}
         self._group_ready = True
-        hosts = sorted(set(nodes))
-        self._hosts = len(hosts)
-        if len(hosts) > 1 and not self._network_noted:
+        if len(node_rank) > 1 and not self._network_noted:
             self._network_noted = True
-            print(f"jupyter_scale: the ranks span {len(hosts)} hosts and exchange tensors (gloo) and the group's "
+            print(f"jupyter_scale: the ranks span {len(node_rank)} hosts and exchange tensors (gloo) and the group's "
                   f"store ({master_addr}) unencrypted and unauthenticated: keep these hosts on a network "
                   "you trust (see README, Security)", file=sys.stderr, flush=True)
 
@@ -833,7 +826,7 @@ class ScaleSession(LoggingConfigurable):
                     except WorkerLost as exc:
                         lost.append(rank)
                         how = self._how_it_died(rank) if not isinstance(exc, WorkerCallFailed) else ""
-                        if self._hosts > 1:
+                        if len({w["node"] for w in self.workers}) > 1:  # which host, where there are several
                             how += f" (host {self.workers[rank]['hostname']})"
                         failures.append(RankFailure(rank, type(exc).__name__, f"{exc}{how}", "", time.time(),
                                                     lost=True, cause=exc))
