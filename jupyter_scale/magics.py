@@ -44,6 +44,37 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _launcher_arguments(magic):
+    """--launcher and the Slurm options, shared by %%distribute and %scale start/restart."""
+    for flag, kwargs in reversed([
+        ("--launcher", dict(default=None, choices=["local", "slurm", "mpi"],
+                            help="where a new cluster's workers run: local (default), slurm (a Slurm job), "
+                                 "mpi (one mpiexec; ipyparallel)")),
+        ("--partition", dict(default=None, help="slurm: the partition")),
+        ("--time", dict(default=None, dest="time_limit", help="slurm: the job's time limit (HH:MM:SS)")),
+        ("--account", dict(default=None, help="slurm: the account to charge")),
+        ("--qos", dict(default=None, help="slurm: the quality of service")),
+        ("--cpus-per-worker", dict(default=None, type=_positive_int_named("--cpus-per-worker"),
+                                   help="slurm: CPUs per worker (default 1)")),
+        ("--gpus-per-worker", dict(default=None, type=_positive_int_named("--gpus-per-worker"),
+                                   help="slurm: GPUs per worker (default none)")),
+        ("--mem", dict(default=None, dest="memory", help="slurm: memory per worker (16G)")),
+    ]):
+        magic = argument(flag, **kwargs)(magic)
+    return magic
+
+
+_LAUNCHER_OPTIONS = ("partition", "time_limit", "account", "qos", "cpus_per_worker", "gpus_per_worker", "memory")
+
+
+def _launch(args) -> tuple[str | None, dict]:
+    options = {k: getattr(args, k) for k in _LAUNCHER_OPTIONS if getattr(args, k) is not None}
+    if options and args.launcher not in (None, "slurm"):
+        flags = ", ".join("--" + {"time_limit": "time", "memory": "mem"}.get(k, k).replace("_", "-") for k in options)
+        raise UsageError(f"{flags} go{'es' if len(options) == 1 else ''} with --launcher slurm")
+    return args.launcher, options
+
+
 def _parse(magic, line: str):
     try:
         return parse_argstring(magic, line)
@@ -84,6 +115,7 @@ class ScaleMagics(Magics):
     @argument("--manual", action="store_true",
               help="no automatic sharding, gradient averaging or seeding: the cell calls "
                    "jupyter_scale.wrap/shard or torch.distributed itself")
+    @_launcher_arguments
     @cell_magic
     def distribute(self, line: str, cell: str):
         """Run this cell on every worker of a local (or connected) cluster.
@@ -119,13 +151,30 @@ class ScaleMagics(Magics):
 
             %%distribute --timeout 600
             train_one_epoch()
+
+            %%distribute --launcher slurm --workers 8 --partition gpu --gpus-per-worker 1 --time 2:00:00
+            train()                                                # as a Slurm job
         """
         args = _parse(self.distribute, line)
         self._choose_backend(args.backend)
+        launcher, options = _launch(args)
         if not cell.strip():
             raise UsageError("%%distribute needs a cell body to run")
+        self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
-                         steps=args.steps)
+                         steps=args.steps, launcher=launcher, launcher_options=options)
+
+    def _check_launch(self, launcher: str | None, options: dict) -> None:
+        """Launcher options describe a new cluster: with one running, they must be its own."""
+        session = self.session
+        if not session.running or (launcher is None and not options):
+            return
+        current = session.placement.name if session.placement is not None else "local"
+        if session.connection is not None:
+            raise UsageError("--launcher and its options start a cluster; this one is connected (%scale stop first)")
+        if (launcher or current) != current or (options and options != session.launch_options()):
+            raise UsageError(f"a {current} cluster of {session.size} workers is running with other options; "
+                             "%scale stop it first")
 
     @magic_arguments()
     @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart", "connect"],
@@ -143,6 +192,7 @@ class ScaleMagics(Magics):
                    "(default: Dask's distributed.comm.tls configuration)")
     @argument("--tls-cert", default=None, help="for connect over tls://: this client's certificate (PEM)")
     @argument("--tls-key", default=None, help="for connect over tls://: its private key (PEM; default: in --tls-cert)")
+    @_launcher_arguments
     @argument("--rendezvous", default=None, metavar="ADDRESS",
               help="for connect to a cluster across hosts: where the ranks meet, an address of rank 0's host "
                    "or a network to take rank 0's address in (10.2.0.0/16); sets ScaleSession.rendezvous_address")
@@ -156,6 +206,8 @@ class ScaleMagics(Magics):
 
             %scale                      # status: engine, workers, ranks, last run
             %scale start --workers 4
+            %scale start --launcher slurm --workers 8 --partition gpu --gpus-per-worker 1 --time 1:00:00
+            %scale start --launcher mpi --workers 4     # ipyparallel engines under mpiexec
             %scale restart              # fresh workers, same size
             %scale stop                 # stops every process the cluster started (or disconnects)
             %scale connect tcp://10.0.0.5:8786            # a running Dask scheduler
@@ -184,6 +236,9 @@ class ScaleMagics(Magics):
             except ValueError:
                 raise UsageError(f"--rendezvous takes an IP address or a network (10.2.0.0/16), "
                                  f"not {args.rendezvous!r}") from None
+        launcher, options = _launch(args)
+        if (launcher or options) and args.action not in ("start", "restart"):
+            raise UsageError(f"--launcher and its options go with start or restart, not {args.action}")
         session = self.session
         if args.action == "connect":
             if not where:
@@ -205,7 +260,7 @@ class ScaleMagics(Magics):
             if session.running:
                 raise UsageError(f"a cluster of {session.size} workers is already running "
                                  "(%scale restart --workers N to change it)")
-            session.start(args.workers)
+            session.start(args.workers, launcher, **options)
         elif args.action == "stop":
             was, connected = session.size, session.connection is not None and session.running
             session.stop()
@@ -214,7 +269,7 @@ class ScaleMagics(Magics):
             else:
                 print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")
         elif args.action == "restart":
-            session.restart(args.workers)
+            session.restart(args.workers, launcher, **options)
         else:
             print(format_status(session.status()))
 
@@ -224,13 +279,16 @@ def format_status(info: dict) -> str:
         text = f"jupyter_scale: no cluster running (backend {info['backend']})"
     else:
         group = info.get("group", {})
-        kind = "connected" if info.get("connected") else "local"
+        kind = "connected" if info.get("connected") else {"slurm": "Slurm", "mpi": "MPI"}.get(info.get("launcher"), "local")
         text = (f"jupyter_scale: {kind} {info['backend']} cluster, {info['workers']} workers; process group "
                 f"{group.get('backend', '?')} at {group.get('master_addr', '?')}:{group.get('master_port', '?')}"
                 f"{'' if group.get('ready') else ' (re-forms at the next cell)'}")
         if info.get("lost"):
             text += (f"\n  the worker of rank(s) {info['lost']} died: the next %%distribute "
                      "restarts the cluster (or run %scale restart)")
+        for job in info.get("jobs", []):
+            text += f"\n  Slurm job {job['job']}: {job['state']}" + (f" on {job['nodes']}" if job.get("nodes") else "") + (
+                f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else "")
         if info.get("scheduler"):
             text += f"\n  scheduler {info['scheduler']}" + (f", dashboard {info['dashboard']}" if info.get("dashboard") else "")
         for r in info.get("ranks", []):

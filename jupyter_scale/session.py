@@ -25,12 +25,14 @@ import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import metrics, rendezvous, sharedmem, shipping, worker
+from . import launchers, metrics, rendezvous, sharedmem, shipping, worker
 from .backends import Backend, Job, Output, create_backend, descendants, describe_exit, end_processes
 from .errors import (CellTimeout, ClusterError, DistributeError, RankFailure, RemoteError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
 
 log = logging.getLogger(__name__)
+# Seconds between looks at a Slurm job under a running cell (one squeue call each).
+ALLOCATION_CHECK_S = 2.0
 
 
 @dataclass
@@ -148,6 +150,9 @@ class ScaleSession(LoggingConfigurable):
                            help="Cluster engine for the embedded cluster: 'ipyparallel' or 'dask' (any "
                                 "engine in the `jupyter_scale.backends` entry-point group). Default: "
                                 "$JUPYTER_SCALE_BACKEND, else ipyparallel.")
+    launcher = Unicode("local", config=True,
+                       help="Where a started cluster's workers run: 'local' (this machine), 'slurm' (a Slurm job; "
+                            "options in c.SlurmLauncher) or 'mpi' (one mpiexec, ipyparallel; c.MPILauncher).")
     default_workers = Integer(2, config=True,
                               help="Workers to start when %%distribute has no --workers and no cluster runs.")
     start_timeout = Float(120.0, config=True,
@@ -220,6 +225,10 @@ class ScaleSession(LoggingConfigurable):
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
         # of starting one; restarts re-attach, stop() forgets it.
         self.connection: tuple[str, dict] | None = None
+        # Where the workers of the cluster we start run (launchers), and the name and options
+        # it was made from: a restart (or a resubmitted job) uses the same.
+        self.placement: launchers.Launcher | None = None
+        self._launch: tuple[str, dict] | None = None
         # Objects told of runs and cluster changes (the JupyterLab sidebar's channel): any of
         # run_started(record, total_steps), event(event), tick(), run_finished(record),
         # cluster_changed().
@@ -246,8 +255,12 @@ class ScaleSession(LoggingConfigurable):
     def size(self) -> int:
         return self.backend.size if self.running else 0
 
-    def start(self, workers: int | None = None) -> None:
-        """Start the embedded cluster (or attach to the connected one) and form the group."""
+    def start(self, workers: int | None = None, launcher: str | None = None, **launcher_options: Any) -> None:
+        """Start the embedded cluster (or attach to the connected one) and form the group.
+
+        `launcher`: where the workers run ('local', 'slurm', 'mpi'; default: the `launcher`
+        setting, or what the cluster being restarted used), with its options (partition,
+        time_limit, account, qos, cpus_per_worker, gpus_per_worker, memory: see launchers)."""
         if self.running:
             raise ClusterError(f"a cluster of {self.size} workers is already running; "
                                "use %scale restart --workers N to change it")
@@ -261,10 +274,26 @@ class ScaleSession(LoggingConfigurable):
             n = workers or self.default_workers
             if n < 1:
                 raise ValueError(f"workers must be at least 1, not {n}")
-            print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
-                  flush=True)
+            if launcher is not None or launcher_options:
+                self._launch = (launcher or self.launcher, launcher_options)
+            name, options = self._launch or (self.launcher, {})
+            placement = launchers.create_launcher(name, parent=self, **options)
             backend = create_backend(self.backend_name)
-            backend.start(n, timeout=self.start_timeout)
+            if placement.name == "local":
+                print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
+                      flush=True)
+            else:
+                how = ("mpiexec" if placement.name == "mpi" else "a Slurm job" if self.backend_name == "ipyparallel"
+                       else "Slurm jobs")
+                print(f"jupyter_scale: starting {n} {self.backend_name} workers with {how} (the kernel's "
+                      f"{'controller' if self.backend_name == 'ipyparallel' else 'scheduler'} at "
+                      f"{placement.listen_address()}) ...", flush=True)
+            try:
+                backend.start(n, timeout=self.start_timeout, launcher=placement)
+            except BaseException:
+                self._release(placement)
+                raise
+            self.placement = placement
         self.backend = backend
         try:
             if not backend.owns_cluster:  # workers of a cluster we attach to start clean
@@ -272,6 +301,10 @@ class ScaleSession(LoggingConfigurable):
             self._form_group()
             if backend.owns_cluster:
                 self._tie_workers_to_kernel(backend)
+                if self.placement is not None and self.placement.name == "slurm":
+                    nodes = sorted({w["hostname"] for w in self.workers})
+                    print(f"jupyter_scale: {self.placement.jobs_text()} on {', '.join(nodes)}; %scale stop cancels "
+                          "it", flush=True)
                 # What the cluster's processes started themselves (ipyparallel's schedulers,
                 # its engines' nannies): the engine stops those (see _stop_backend).
                 self._helpers = set(descendants(backend.local_processes()))
@@ -287,6 +320,11 @@ class ScaleSession(LoggingConfigurable):
         import psutil
 
         me = psutil.Process()
+        here = rendezvous.node_identity()
+        # Workers on other nodes (a Slurm job's) cannot see this process: their job ends them.
+        ranks = [r for r, w in enumerate(self.workers) if w["node"] == here]
+        if not ranks:
+            return
         pids = {w["pid"] for w in self.workers}  # described by _form_group
         helpers = []
         for process in backend.local_processes():
@@ -295,7 +333,7 @@ class ScaleSession(LoggingConfigurable):
                     helpers.append((process.pid, process.create_time()))
             except psutil.Error:  # already gone
                 continue
-        backend.submit(worker.watch_parent, me.pid, me.create_time(), helpers).wait(self.start_timeout)
+        backend.submit(worker.watch_parent, me.pid, me.create_time(), helpers, ranks=ranks).wait(self.start_timeout)
 
     def connect(self, address: str | None = None, *, workers: int | None = None, profile: str | None = None,
                 cluster_id: str | None = None, url_file: str | None = None, tls: dict | None = None) -> None:
@@ -339,6 +377,7 @@ class ScaleSession(LoggingConfigurable):
         """Stop the embedded cluster (every process it started), or disconnect from a connected one."""
         self._shutdown()
         self.connection = None
+        self._launch = None
         self._notify("cluster_changed")
 
     def _shutdown(self) -> None:
@@ -347,14 +386,25 @@ class ScaleSession(LoggingConfigurable):
         if self.events is not None:  # frees its port; the next run binds a new one
             self.events.close()
             self.events = None
+        placement, self.placement = self.placement, None
         try:
             if backend is not None and backend.running:
                 self._stop_backend(backend)
         finally:
+            self._release(placement)
             self._remove_store_dir()
             if self._frames_out is not None:  # its memory goes with it
                 self._frames_out.close()
                 self._frames_out = None
+
+    @staticmethod
+    def _release(placement: "launchers.Launcher | None") -> None:
+        """After the engine stopped its workers: nothing of them left (a Slurm job out of the queue)."""
+        if placement is not None:
+            try:
+                placement.after_stop()
+            except ClusterError as exc:
+                print(f"jupyter_scale: {exc}", file=sys.stderr, flush=True)
 
     def _stop_backend(self, backend: Backend) -> None:
         # A cluster we only connected to lives on: free what this session left on its
@@ -373,22 +423,33 @@ class ScaleSession(LoggingConfigurable):
         end_processes(forked, timeout=5)
         backend.stop()
 
-    def restart(self, workers: int | None = None) -> None:
-        """Fresh workers (a connected cluster: attach again, to the workers it has now)."""
+    def restart(self, workers: int | None = None, launcher: str | None = None, **launcher_options: Any) -> None:
+        """Fresh workers (a connected cluster: attach again, to the workers it has now); a
+        cluster of a launcher's: submitted again, with its options unless new ones are given."""
         n = workers or (None if self.connection else self.size or self.default_workers)
         self._shutdown()
-        self.start(n)
+        self.start(n, launcher, **launcher_options)
 
-    def ensure(self, workers: int | None = None) -> None:
+    def launch_options(self) -> dict:
+        """The launcher options the running (or last) cluster was started with."""
+        return dict(self._launch[1]) if self._launch else {}
+
+    def ensure(self, workers: int | None = None, launcher: str | None = None,
+               launcher_options: dict | None = None) -> None:
         """A running cluster of `workers` (default: the current size, else the default)."""
         if self.running and not self._lost_workers:
             self._lost_workers = self.backend.dead_ranks()  # died between cells
         if not self.running:
-            self.start(workers)
+            self.start(workers, launcher, **(launcher_options or {}))
         elif self._lost_workers:
             # A connected cluster: the workers it has now (the lost ones may never come back).
             n = workers or (None if self.connection else self.size)
+            ended = self.placement.ended() if self.placement is not None else None
+            if ended and not getattr(self.placement, "resubmit", True):
+                raise ClusterError(f"{ended}; %scale restart submits a new job (c.SlurmLauncher.resubmit "
+                                   "= True does it at the next cell)")
             how = ("attaching again to the cluster's workers" if self.connection
+                   else f"submitting a new Slurm job of {n} workers" if ended
                    else f"restarting the cluster with {n} workers")
             print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} is gone; {how} "
                   "(worker variables are lost)", flush=True)
@@ -404,6 +465,8 @@ class ScaleSession(LoggingConfigurable):
     def status(self) -> dict:
         info = {"running": self.running, "backend": self.backend_name, "workers": self.size,
                 "connected": self.connection is not None}
+        if self.placement is not None:
+            info.update(self.placement.describe())
         if self.running:
             info.update(self.backend.describe())
             info["group"] = dict(self.group, ready=self._group_ready)
@@ -449,11 +512,17 @@ class ScaleSession(LoggingConfigurable):
         # Each host's ranks next to each other, hosts in the order their first rank came: ranks
         # numbered as torchrun numbers them (node by node), and a ring collective crosses
         # between hosts once per host, not at every hop.
-        node_rank = {node: i for i, node in enumerate(dict.fromkeys(w["node"] for w in self.workers))}
-        order = sorted(range(n), key=lambda r: node_rank[self.workers[r]["node"]])  # stable: rank order within a host
+        given = [w.get("launcher_rank") for w in self.workers]
+        if sorted(g[0] for g in given if g) == list(range(n)) and all(g and g[1] == n for g in given):
+            # mpiexec or srun numbered them: rank i is MPI rank i (mpi4py in the cell agrees).
+            order = sorted(range(n), key=lambda r: given[r][0])
+        else:
+            node_rank = {node: i for i, node in enumerate(dict.fromkeys(w["node"] for w in self.workers))}
+            order = sorted(range(n), key=lambda r: node_rank[self.workers[r]["node"]])  # stable: rank order within a host
         if order != list(range(n)):
             backend.order_ranks(order)
             self.workers = [self.workers[r] for r in order]
+        node_rank = {node: i for i, node in enumerate(dict.fromkeys(w["node"] for w in self.workers))}
         probes_back = [w.pop("shared_memory") for w in self.workers]
         self.shared_memory = all(p is not None and sharedmem.check_probe(*p) for p in probes_back)
         here = rendezvous.node_identity()
@@ -525,11 +594,13 @@ class ScaleSession(LoggingConfigurable):
     # Running cells
     # ------------------------------------------------------------------------------
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
-            timeout: float | None = None, manual: bool = False, steps: int | None = None) -> RunRecord:
+            timeout: float | None = None, manual: bool = False, steps: int | None = None,
+            launcher: str | None = None, launcher_options: dict | None = None) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
         and averages gradients at every optimizer step; `manual=True` does none of it.
+        `launcher` and its options: where the workers run when no cluster runs (see start).
         """
         code = self._transform(code)
         pull = list(pull)
@@ -538,7 +609,7 @@ class ScaleSession(LoggingConfigurable):
         # plan adds the names that the notebook functions the cell calls read.
         plan = self.shipper.plan({n: self.namespace[n] for n in names})
         names = list(plan.values)
-        self.ensure(workers)
+        self.ensure(workers, launcher, launcher_options)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size,
                            execution_count=getattr(self.shell, "execution_count", None))
         self.runs.append(record)
@@ -782,6 +853,7 @@ class ScaleSession(LoggingConfigurable):
         self._beats: dict[int, dict] = {}
         self._heard = {}
         warned_at = time.monotonic()
+        allocation_checked = time.monotonic()
 
         def stop_running(reason: str) -> None:
             nonlocal interrupted_at
@@ -839,6 +911,16 @@ class ScaleSession(LoggingConfigurable):
                 if len(headers) + len(lost) == len(job.ranks):
                     break
                 now = time.monotonic()
+                if self.placement is not None and now - allocation_checked > ALLOCATION_CHECK_S:
+                    # A cancelled or timed-out job: its workers may take Slurm's KillWait to die.
+                    allocation_checked = now
+                    ended = self.placement.ended()
+                    for rank in ([r for r in job.ranks if r not in headers and r not in lost] if ended else []):
+                        lost.append(rank)
+                        exc = WorkerLost(rank, ended)
+                        failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True,
+                                                    cause=exc))
+                        first_failure = first_failure or now
                 for rank in self._gone_silent(job, headers, lost, now):
                     lost.append(rank)
                     exc = WorkerLost(rank, f"nothing heard from it (host {self.workers[rank]['hostname']}) for "
@@ -899,6 +981,9 @@ class ScaleSession(LoggingConfigurable):
                                 finished=[r for r, h in headers.items() if h["status"] == "ok"])
         elif lost:
             error = WorkerDied(failures)
+            if self.placement is not None and self.placement.name == "slurm":
+                error.hint = ("The workers' Slurm job is gone: the next %%distribute submits a new one (worker "
+                              "variables are lost; notebook variables are intact), or run %scale restart.")
         else:
             error = RemoteError(failures)
         return headers, frames_back, error, lost
@@ -930,6 +1015,9 @@ class ScaleSession(LoggingConfigurable):
         this waits a little for it.
         """
         pid = self.workers[rank].get("pid") if rank < len(self.workers) else None
+        ended = self.placement.ended() if self.placement is not None else None
+        if ended:
+            return f" ({ended})"
         if pid is None or not self.backend.owns_cluster:  # another host's process: unknowable
             return ""
         deadline = time.monotonic() + wait

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import rendezvous, sharedmem, shipping, training
+from . import launchers, rendezvous, sharedmem, shipping, training
 from .metrics import EventSink, Recorder
 
 # Names every cell sees; they are set again before each cell so they stay truthful.
@@ -161,6 +161,7 @@ def describe(shared_memory_probe: tuple | None = None, toward: str | None = None
         "address": rendezvous.source_address(toward) if toward else None,
         "sees_store_dir": bool(store_dir) and os.path.isdir(store_dir),
         "pid": os.getpid(),
+        "launcher_rank": launchers.launcher_rank(),  # (rank, size) from mpiexec or srun
         "cuda_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -87,8 +87,9 @@ class Backend(abc.ABC):
     owns_cluster: bool = True
 
     @abc.abstractmethod
-    def start(self, n: int, timeout: float) -> None:
-        """Start a local cluster of `n` workers (loopback only) and wait for them."""
+    def start(self, n: int, timeout: float, launcher: Any = None) -> None:
+        """Start a cluster of `n` workers and wait for them: local (loopback only), or where
+        `launcher` (a launchers.Launcher) says, through the engine's own launcher for it."""
 
     def connect(self, n: int | None, timeout: float, **where: Any) -> None:
         """Attach to a running cluster; use `n` of its workers (default: all it has)."""

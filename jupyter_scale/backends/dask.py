@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import tempfile
+import sys
 import threading
 import time
 import types
@@ -36,6 +37,7 @@ from distributed.security import Security
 
 from .. import metrics, worker
 from ..errors import ClusterError
+from ..launchers import Launcher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,45 @@ CLIENT_SEND_INTERVAL_S = 0.001
 TOPIC_SCHEME = "dask-topic"
 # Dask's logs for debugging (see DaskBackend.start), short: they hold output and arguments.
 _FEW_KEPT = {"distributed.admin.low-level-log-length": 16}
+
+
+def _nested(settings: dict) -> dict:
+    """{"a.b": 1} -> {"a": {"b": 1}}, as Dask's configuration files are."""
+    nested: dict = {}
+    for key, value in settings.items():
+        *parents, last = key.split(".")
+        place = nested
+        for part in parents:
+            place = place.setdefault(part, {})
+        place[last] = value
+    return nested
+
+
+def _worker_settings() -> dict:
+    """Dask settings for our workers (and the scheduler), wherever they run."""
+    return {
+        # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
+        "distributed.worker.daemon": False,
+        # Every wake-up of a worker's event loop competes with the training thread for
+        # the GIL. Dask's sampling profiler (every 10 ms) and its loop-latency tick (every
+        # 20 ms) cost the training loop steps/s for numbers nobody reads here.
+        "distributed.worker.profile.enabled": False,
+        "distributed.admin.tick.interval": "1s",
+        # The scheduler keeps the last events of every topic (the output and metrics
+        # batches of every cell: 1000 each by default), and every process the last
+        # messages of each of its streams, for debugging: a few will do.
+        **_FEW_KEPT,
+        # Dask's nanny pins OMP/MKL/OpenBLAS to 1 thread per worker; leave the choice to
+        # the worker code, which (like torchrun, and as on ipyparallel) gives each worker
+        # cores / workers-per-host unless OMP_NUM_THREADS is set. It also sets glibc's
+        # MALLOC_TRIM_THRESHOLD_ to 64 KiB, which hands freed memory back to the OS at
+        # once: a training step's activations and gradients are then faulted in afresh
+        # every step (1200 page faults a step, 0.76x the steps/s of ipyparallel here).
+        "distributed.nanny.pre-spawn-environ": {
+            k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()
+            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_")
+        },
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -363,12 +404,18 @@ class DaskBackend(Backend):
         self._alive_before: set[str] = set()
         self._alive_at = 0.0
         self.owns_cluster = True
+        self._remote = False  # workers on other machines (a Slurm job's): no pids of ours
         self._scratch: tempfile.TemporaryDirectory | None = None
 
     # -- lifecycle -----------------------------------------------------------------
-    def start(self, n: int, timeout: float) -> None:
+    def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self.client is not None:
             raise ClusterError("the Dask cluster is already running")
+        if isinstance(launcher, SlurmLauncher):
+            return self._start_on_slurm(n, timeout, launcher)
+        if launcher is not None and launcher.name != "local":
+            raise ClusterError(f"the {launcher.name} launcher starts ipyparallel engines; on Dask, start the cluster "
+                               "yourself (dask-mpi) and %scale connect to its scheduler")
         try:
             security = Security.temporary()
         except ImportError as exc:
@@ -396,31 +443,11 @@ class DaskBackend(Backend):
         options.update(self._cluster_options)
         scratch = tempfile.TemporaryDirectory(prefix="jupyter_scale-dask-")
         settings = {
-            # Non-daemonic workers may start processes of their own (DataLoader num_workers>0).
-            "distributed.worker.daemon": False,
-            # Every wake-up of a worker's event loop competes with the training thread for
-            # the GIL. Dask's sampling profiler (every 10 ms) and its loop-latency tick (every
-            # 20 ms) cost the training loop steps/s for numbers nobody reads here.
-            "distributed.worker.profile.enabled": False,
-            "distributed.admin.tick.interval": "1s",
-            # The scheduler keeps the last events of every topic (the output and metrics
-            # batches of every cell: 1000 each by default), and every process the last
-            # messages of each of its streams, for debugging: a few will do.
-            **_FEW_KEPT,
+            **_worker_settings(),
             # The scheduler's and workers' files: not in Dask's /tmp/dask-scratch-space, shared
             # by every user and readable by all, but in a directory of the cluster's own,
             # owner-only, removed with it.
             "temporary-directory": scratch.name,
-            # Dask's nanny pins OMP/MKL/OpenBLAS to 1 thread per worker; leave the choice to
-            # the worker code, which (like torchrun, and as on ipyparallel) gives each worker
-            # cores / workers-per-host unless OMP_NUM_THREADS is set. It also sets glibc's
-            # MALLOC_TRIM_THRESHOLD_ to 64 KiB, which hands freed memory back to the OS at
-            # once: a training step's activations and gradients are then faulted in afresh
-            # every step (1200 page faults a step, 0.76x the steps/s of ipyparallel here).
-            "distributed.nanny.pre-spawn-environ": {
-                k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()
-                if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_")
-            },
         }
         with dask.config.set(settings):
             try:
@@ -448,6 +475,70 @@ class DaskBackend(Backend):
                 raise
             raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
         self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
+        self._attach(client, n, timeout)
+
+    def _start_on_slurm(self, n: int, timeout: float, launcher: SlurmLauncher) -> None:
+        """dask-jobqueue's SLURMCluster: the scheduler in this kernel, one Slurm job per worker
+        (its way), mutual TLS with a throwaway CA whose worker certificate waits for the jobs in
+        the launcher's owner-only directory."""
+        try:
+            from dask_jobqueue import SLURMCluster
+        except ImportError as exc:
+            raise ClusterError("the slurm launcher on Dask needs dask-jobqueue (pip install 'jupyter_scale[slurm]')") from exc
+        directory = launcher.directory()
+        address = launcher.listen_address()
+        extra = [line for line in launcher.directives(worker_per_job=True)
+                 if not line.startswith(("--cpus-per-task", "--mem=", "--partition", "--account", "--time"))]
+        # The workers read our settings as a Dask worker started by a LocalCluster does.
+        inherited = dask.config.serialize(_nested(_worker_settings()))
+        options = dict(
+            cores=1, processes=1,  # one single-threaded worker per job: one rank
+            memory=f"{launcher.memory_megabytes or 1024}MiB", job_cpu=launcher.cpus_per_worker,
+            job_mem=f"{launcher.memory_megabytes}M" if launcher.memory_megabytes else None,
+            # Without a memory asked, no --mem (the partition's default), as ipyparallel's job.
+            job_directives_skip=[] if launcher.memory_megabytes else ["--mem"],
+            queue=launcher.partition or None, account=launcher.account or None,
+            walltime=launcher.time_limit or None,
+            job_extra_directives=extra, job_name="jupyter_scale",
+            job_script_prologue=[f"export DASK_INTERNAL_INHERIT_CONFIG={inherited}"],
+            python=sys.executable,
+            log_directory=directory, local_directory=directory, shared_temp_directory=directory,
+            security=Security.temporary(), protocol="tls://",
+            scheduler_options={"host": address, "dashboard_address": f"{address}:0"},
+            # After jobqueue's own: no nanny killing a worker that trains a big model.
+            worker_extra_args=["--preload", __name__, "--memory-limit", "0"],
+        )
+        options.update(self._cluster_options)
+        # No time limit asked: none in the script (the partition's), not dask-jobqueue's 30 minutes.
+        with dask.config.set({"jobqueue.slurm.walltime": None, **_FEW_KEPT}):
+            try:
+                cluster = SLURMCluster(**options)
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                raise ClusterError(f"could not start the Dask scheduler for Slurm: {type(exc).__name__}: {exc}") from exc
+        launcher.find_jobs = lambda: [str(getattr(job, "job_id", "") or "") for job in list(cluster.workers.values())]
+        try:
+            cluster.scale(n)
+            with dask.config.set(_FEW_KEPT):
+                client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
+
+            def ready(seconds: float) -> bool:
+                try:
+                    client.wait_for_workers(n, timeout=seconds)
+                    return True
+                except TimeoutError:
+                    return False
+
+            launcher.wait_for_workers(ready, n, timeout)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                cluster.close(timeout=15)  # scancels the jobs
+            if isinstance(exc, (KeyboardInterrupt, ClusterError)):
+                raise
+            raise ClusterError(f"could not start {n} Dask workers on Slurm: {type(exc).__name__}: {exc}") from exc
+        # The workers are processes on the compute nodes: none of them is ours to signal.
+        self._cluster, self.owns_cluster, self._remote = cluster, True, True
         self._attach(client, n, timeout)
 
     def connect(self, n: int | None, timeout: float, *, address: str = "", tls: dict | None = None,
@@ -533,6 +624,10 @@ class DaskBackend(Backend):
                 if self._scratch is not None:
                     self._scratch.cleanup()
                     self._scratch = None
+                # dask-jobqueue's copies of the worker certificate (the Slurm jobs read them).
+                for key in ("ca_file", "cert", "key"):
+                    with contextlib.suppress(Exception):
+                        getattr(cluster, f"_job_{key}").close()
 
     @property
     def running(self) -> bool:
@@ -562,7 +657,7 @@ class DaskBackend(Backend):
 
     def local_processes(self) -> list:
         """psutil handles of the worker processes this backend started."""
-        if not self.owns_cluster:
+        if not self.owns_cluster or self._remote:
             return []
         found = []
         for pid in self._pids:

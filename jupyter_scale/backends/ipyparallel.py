@@ -13,11 +13,13 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 import psutil
-from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-from traitlets import List
+from ipyparallel.cluster.launcher import (LocalEngineLauncher, LocalEngineSetLauncher, MPIEngineSetLauncher,
+                                          SlurmEngineSetLauncher)
+from traitlets import Dict, List, Unicode
 
 from .. import metrics
 from ..errors import ClusterError
+from ..launchers import Launcher, MPILauncher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,35 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
         # all, with what they know of how their engine ended.
         self.started_launchers = dict(self.launchers)
         return result
+
+
+def _slurm_engines(launcher: SlurmLauncher) -> type:
+    """ipyparallel's Slurm engine launcher, submitting one job of n tasks, each one of our
+    engines, with the user's options; its script and output in the launcher's directory (not
+    the notebook's)."""
+    directory = launcher.directory()
+    directives = "".join(f"#SBATCH {line}\n" for line in launcher.directives(worker_per_job=False))
+    # srun is given --cpus-per-task itself: from Slurm 22.05 to 23.11 it did not take the job's.
+    template = ("#!/bin/sh\n#SBATCH --job-name=jupyter_scale-{cluster_id}\n#SBATCH --ntasks={n}\n"
+                "#SBATCH --output={output_file}\n" + directives.replace("{", "{{").replace("}", "}}")
+                + f"srun --cpus-per-task={launcher.cpus_per_worker} {{program_and_args}}\n")
+    return type("_SlurmEngines", (SlurmEngineSetLauncher,), {
+        "engine_cmd": List([sys.executable, "-c", _ENGINE_MAIN]),
+        "batch_template": Unicode(template),
+        "batch_file_name": Unicode(os.path.join(directory, "engines.sbatch")),
+        "output_file": Unicode(os.path.join(directory, "engines.out")),
+    })
+
+
+def _mpi_engines(launcher: MPILauncher, n: int) -> type:
+    """ipyparallel's MPI engine launcher: `mpiexec -n N` our engine, with Open MPI's flags."""
+    mpiexec, args, env = launcher.command(n)
+    return type("_MPIEngines", (MPIEngineSetLauncher,), {
+        "engine_cmd": List([sys.executable, "-c", _ENGINE_MAIN]),
+        "mpi_cmd": List(mpiexec),
+        "mpi_args": List(args),
+        "environment": Dict(env),
+    })
 
 
 def _engine_launchers(cluster: ipp.Cluster | None) -> dict:
@@ -288,13 +319,15 @@ class IPyParallelBackend(Backend):
         self._events: _IOPubEventQueue | None = None
 
     # -- lifecycle -----------------------------------------------------------------
-    def start(self, n: int, timeout: float) -> None:
+    def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self._client is not None:
             raise ClusterError("the ipyparallel cluster is already running")
+        launcher = launcher or Launcher()
+        address = launcher.listen_address()
         options = dict(
             n=n,
-            controller_ip="127.0.0.1",
-            controller_location="127.0.0.1",
+            controller_ip=address,
+            controller_location=address,
             # --nodb: the controller would otherwise keep every result (whole models) forever.
             # CurveZMQ: every local user can reach the controller's loopback ports; without
             # the server key (in the owner-only connection files) no one completes a
@@ -315,14 +348,28 @@ class IPyParallelBackend(Backend):
             # this backend holds the cluster. The connection files it keeps are owner-only.
             cluster_file="",
         )
-        if not {"engines", "engine_launcher_class"} & set(self._cluster_options):
+        if isinstance(launcher, SlurmLauncher):
+            options["engine_launcher_class"] = _slurm_engines(launcher)
+        elif isinstance(launcher, MPILauncher):
+            options["engine_launcher_class"] = _mpi_engines(launcher, n)
+        elif not {"engines", "engine_launcher_class"} & set(self._cluster_options):
             options["engine_launcher_class"] = _EngineSetLauncher  # local engines, exit codes kept
         options.update(self._cluster_options)
         cluster = ipp.Cluster(**options)
         _keep_private(cluster)
+        if isinstance(launcher, SlurmLauncher):
+            launcher.find_jobs = lambda: [getattr(s, "job_id", "") for s in cluster.engines.values()]
         try:
             client = cluster.start_and_connect_sync(activate=False)
-            client.wait_for_engines(n, timeout=timeout)
+
+            def ready(seconds: float) -> bool:
+                try:
+                    client.wait_for_engines(n, timeout=seconds)
+                    return True
+                except TimeoutError:
+                    return False
+
+            launcher.wait_for_workers(ready, n, timeout)
             _keep_private(cluster)
         except BaseException as exc:
             detail = _startup_failure(cluster) or str(exc)
