@@ -14,6 +14,7 @@ traitlets configuration, for a site: `c.SlurmLauncher.partition = "gpu"`.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import re
@@ -170,6 +171,20 @@ class SlurmLauncher(Launcher):
                 lines.append(f"--{flag}={value}")
         return lines + list(self.sbatch_options)
 
+    def check(self, *, tasks: int, worker_per_job: bool) -> None:
+        """Ask Slurm whether it would take the job (sbatch --test-only submits nothing): a wrong
+        partition, account or time fails here in one line, not as workers that never come."""
+        argv = ["sbatch", "--test-only", f"--ntasks={tasks}", *self.directives(worker_per_job=worker_per_job),
+                "--wrap=true"]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ClusterError(f"sbatch --test-only did not answer: {exc}") from None
+        if done.returncode != 0:
+            lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+            said = next((line for line in lines if "error" in line), lines[-1] if lines else f"status {done.returncode}")
+            raise ClusterError(f"Slurm refuses the job ({' '.join(argv[2:-1])}): {said.removeprefix('sbatch: ')}")
+
     def directory(self) -> str:
         if self._dir is None:
             base = os.path.expanduser(self.job_directory)
@@ -241,8 +256,7 @@ class SlurmLauncher(Launcher):
     def _ended_in(self, states: dict[str, dict]) -> str | None:
         for job, s in states.items():
             if s["state"] in _ENDED:
-                return f"Slurm job {job} {_ENDED[s['state']]} ({s['state']}" + (
-                    f", {s['reason']})" if s["reason"] not in ("", "None") else ")")
+                return f"Slurm job {job} {_ENDED[s['state']]} ({s['state']})"
         return None
 
     def ended(self) -> str | None:
@@ -372,6 +386,8 @@ class MPILauncher(Launcher):
         if not self.mpiexec or shutil.which(self.mpiexec[0]) is None:
             raise ClusterError(f"the mpi launcher needs {self.mpiexec[0] if self.mpiexec else 'mpiexec'} on PATH "
                                "(an MPI such as Open MPI: apt-get install openmpi-bin)")
+        if importlib.util.find_spec("mpi4py") is None:  # ipyparallel's engines under mpiexec import it
+            raise ClusterError("the mpi launcher needs mpi4py (pip install 'jupyter_scale[mpi]')")
 
     def listen_address(self) -> str:
         return self.listen or LOOPBACK

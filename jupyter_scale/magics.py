@@ -6,6 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from . import launchers
 from .backends import available_backends
 from .session import ScaleSession
 
@@ -44,6 +45,17 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _checked(flag: str, check):
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+        return text
+
+    return parse
+
+
 def _launcher_arguments(magic):
     """--launcher and the Slurm options, shared by %%distribute and %scale start/restart."""
     for flag, kwargs in reversed([
@@ -51,14 +63,14 @@ def _launcher_arguments(magic):
                             help="where a new cluster's workers run: local (default), slurm (a Slurm job), "
                                  "mpi (one mpiexec; ipyparallel)")),
         ("--partition", dict(default=None, help="slurm: the partition")),
-        ("--time", dict(default=None, dest="time_limit", help="slurm: the job's time limit (HH:MM:SS)")),
+        ("--time", dict(default=None, dest="time_limit", type=_checked("--time", launchers.check_time_limit), help="slurm: the job's time limit (HH:MM:SS)")),
         ("--account", dict(default=None, help="slurm: the account to charge")),
         ("--qos", dict(default=None, help="slurm: the quality of service")),
         ("--cpus-per-worker", dict(default=None, type=_positive_int_named("--cpus-per-worker"),
                                    help="slurm: CPUs per worker (default 1)")),
         ("--gpus-per-worker", dict(default=None, type=_positive_int_named("--gpus-per-worker"),
                                    help="slurm: GPUs per worker (default none)")),
-        ("--mem", dict(default=None, dest="memory", help="slurm: memory per worker (16G)")),
+        ("--mem", dict(default=None, dest="memory", type=_checked("--mem", launchers.memory_megabytes), help="slurm: memory per worker (16G)")),
     ]):
         magic = argument(flag, **kwargs)(magic)
     return magic
@@ -67,9 +79,10 @@ def _launcher_arguments(magic):
 _LAUNCHER_OPTIONS = ("partition", "time_limit", "account", "qos", "cpus_per_worker", "gpus_per_worker", "memory")
 
 
-def _launch(args) -> tuple[str | None, dict]:
+def _launch(args, configured: str) -> tuple[str | None, dict]:
+    """(--launcher, the Slurm options given); `configured`: c.ScaleSession.launcher."""
     options = {k: getattr(args, k) for k in _LAUNCHER_OPTIONS if getattr(args, k) is not None}
-    if options and args.launcher not in (None, "slurm"):
+    if options and (args.launcher or configured) != "slurm":
         flags = ", ".join("--" + {"time_limit": "time", "memory": "mem"}.get(k, k).replace("_", "-") for k in options)
         raise UsageError(f"{flags} go{'es' if len(options) == 1 else ''} with --launcher slurm")
     return args.launcher, options
@@ -157,7 +170,7 @@ class ScaleMagics(Magics):
         """
         args = _parse(self.distribute, line)
         self._choose_backend(args.backend)
-        launcher, options = _launch(args)
+        launcher, options = _launch(args, self.session.launcher)
         if not cell.strip():
             raise UsageError("%%distribute needs a cell body to run")
         self._check_launch(launcher, options)
@@ -236,7 +249,7 @@ class ScaleMagics(Magics):
             except ValueError:
                 raise UsageError(f"--rendezvous takes an IP address or a network (10.2.0.0/16), "
                                  f"not {args.rendezvous!r}") from None
-        launcher, options = _launch(args)
+        launcher, options = _launch(args, self.session.launcher)
         if (launcher or options) and args.action not in ("start", "restart"):
             raise UsageError(f"--launcher and its options go with start or restart, not {args.action}")
         session = self.session

@@ -19,6 +19,8 @@ TOKENS = st.sampled_from([
     "--cluster-id", "--bogus", "-x", "0", "-3", "2", "4", "abc", "1.5", "-1", "1e3", "nan", "inf",
     "a,b", "1x", ",", "dask", "ipyparallel", "nosuch", "tcp://127.0.0.1:8786", "x.json", "=",
     "--workers=2", "--timeout=0", "'", '"', "status", "start", "stop", "restart", "connect", "explode",
+    "--launcher", "local", "slurm", "mpi", "--partition", "--time", "10:00", "--mem", "16G", "--cpus-per-worker",
+    "--gpus-per-worker", "--account", "--qos",
 ])
 LINES = st.lists(st.one_of(TOKENS, st.text(max_size=8)), max_size=6).map(" ".join)
 
@@ -26,18 +28,23 @@ LINES = st.lists(st.one_of(TOKENS, st.text(max_size=8)), max_size=6).map(" ".joi
 class Recorder(ScaleSession):
     """A session that records calls instead of starting clusters, and checks their arguments."""
 
-    def run(self, code, *, workers=None, pull=(), timeout=None, manual=False, steps=None):
+    def run(self, code, *, workers=None, pull=(), timeout=None, manual=False, steps=None, launcher=None,
+            launcher_options=None):
         assert workers is None or (isinstance(workers, int) and workers >= 1)
+        assert launcher in (None, "local", "slurm", "mpi")
+        assert not launcher_options or launcher in (None, "slurm")
         assert timeout is None or timeout > 0
         assert steps is None or (isinstance(steps, int) and steps >= 1)
         assert all(name.isidentifier() for name in pull)
         assert code.strip()
 
-    def start(self, workers=None):
+    def start(self, workers=None, launcher=None, **launcher_options):
         assert workers is None or workers >= 1
+        assert not launcher_options or launcher in (None, "slurm")
 
-    def restart(self, workers=None):
+    def restart(self, workers=None, launcher=None, **launcher_options):
         assert workers is None or workers >= 1
+        assert not launcher_options or launcher in (None, "slurm")
 
     def stop(self):
         pass

@@ -485,6 +485,7 @@ class DaskBackend(Backend):
             from dask_jobqueue import SLURMCluster
         except ImportError as exc:
             raise ClusterError("the slurm launcher on Dask needs dask-jobqueue (pip install 'jupyter_scale[slurm]')") from exc
+        launcher.check(tasks=1, worker_per_job=True)
         directory = launcher.directory()
         address = launcher.listen_address()
         extra = [line for line in launcher.directives(worker_per_job=True)

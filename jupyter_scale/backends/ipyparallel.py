@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 import psutil
-from ipyparallel.cluster.launcher import (LocalEngineLauncher, LocalEngineSetLauncher, MPIEngineSetLauncher,
-                                          SlurmEngineSetLauncher)
+from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
+                                          MPIEngineSetLauncher, SlurmEngineSetLauncher)
 from traitlets import Dict, List, Unicode
 
 from .. import metrics
@@ -77,6 +77,43 @@ except Exception:
 from ipyparallel.engine.app import main
 main()
 """
+
+
+# ipyparallel's controller, ending itself (and the schedulers it started) when the kernel that
+# started it is gone, even killed by SIGKILL: engines of a Slurm job on other nodes cannot watch
+# the kernel, but they shut down once the controller's heartbeats stop (max_heartbeat_misses),
+# which ends the job. The kernel is named by pid and start time, so a reused pid is not it.
+_CONTROLLER_MAIN = """
+import os, threading, time
+import psutil
+
+def _watch(pid, created):
+    while True:
+        try:
+            if psutil.Process(pid).create_time() != created:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(1.0)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    os._exit(1)
+
+pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
+threading.Thread(target=_watch, args=(int(pid), float(created)), daemon=True).start()
+from ipyparallel.controller.app import main
+main()
+"""
+
+
+def _controller(kernel: psutil.Process) -> type:
+    return type("_ControllerLauncher", (LocalControllerLauncher,), {
+        "controller_cmd": List([sys.executable, "-c", _CONTROLLER_MAIN]),
+        "environment": Dict({"JUPYTER_SCALE_KERNEL": f"{kernel.pid}:{kernel.create_time()!r}"}),
+    })
 
 
 class _EngineSetLauncher(LocalEngineSetLauncher):
@@ -348,7 +385,10 @@ class IPyParallelBackend(Backend):
             # this backend holds the cluster. The connection files it keeps are owner-only.
             cluster_file="",
         )
+        if not {"controller", "controller_launcher_class"} & set(self._cluster_options):
+            options["controller_launcher_class"] = _controller(psutil.Process())
         if isinstance(launcher, SlurmLauncher):
+            launcher.check(tasks=n, worker_per_job=False)
             options["engine_launcher_class"] = _slurm_engines(launcher)
         elif isinstance(launcher, MPILauncher):
             options["engine_launcher_class"] = _mpi_engines(launcher, n)
@@ -360,11 +400,13 @@ class IPyParallelBackend(Backend):
         if isinstance(launcher, SlurmLauncher):
             launcher.find_jobs = lambda: [getattr(s, "job_id", "") for s in cluster.engines.values()]
         try:
-            client = cluster.start_and_connect_sync(activate=False)
+            # Not start_and_connect: it waits for the engines start_timeout s, a pending Slurm job too.
+            cluster.start_cluster_sync(n)
+            client = cluster.connect_client_sync()
 
             def ready(seconds: float) -> bool:
                 try:
-                    client.wait_for_engines(n, timeout=seconds)
+                    client.wait_for_engines(n, timeout=seconds, interactive=False)  # no progress widget: ours says it
                     return True
                 except TimeoutError:
                     return False
@@ -409,7 +451,7 @@ class IPyParallelBackend(Backend):
                                f"{type(exc).__name__}: {said}{hint}") from exc
         try:
             if n:
-                client.wait_for_engines(n, timeout=timeout)
+                client.wait_for_engines(n, timeout=timeout, interactive=False)
         except BaseException as exc:
             client.close()
             if isinstance(exc, KeyboardInterrupt):
