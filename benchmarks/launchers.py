@@ -59,10 +59,13 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-import slurm  # noqa: E402  tests/slurm.py
-from compare import median, print_table, progress, ratio  # noqa: E402  benchmarks/, the script's own folder
+sys.path.insert(0, str(HERE.parent / "tests"))  # tests/slurm.py
+sys.path.insert(0, str(HERE))  # compare.py's helpers
+# Nothing heavy is imported at the top: the embedded Dask cluster's nannies start their workers
+# with multiprocessing's spawn, which imports this script (the main module) in every worker
+# process, where importing compare.py (nbformat, nbclient) cost 1.3 s each. tests/slurm.py and
+# compare.py are imported in the functions that use them (a kernel's main module, ipykernel's
+# launcher, costs its workers next to nothing).
 
 # name -> (engine, launcher, how the table calls it)
 CONFIGS = {
@@ -107,6 +110,8 @@ def namespace() -> dict:
 
 def skip_reasons(configs: list[str]) -> dict[str, str]:
     """config -> why it cannot run here."""
+    import slurm
+
     reasons = {}
     slurm_reason = slurm.unavailable_reason()
     if slurm_reason is None and importlib.util.find_spec("dask_jobqueue") is None:
@@ -132,7 +137,7 @@ def _version(argv: list[str]) -> str | None:
     return out.strip().splitlines()[0] if out.strip() else None
 
 
-def _squeue(cluster: slurm.Slurm) -> str:
+def _squeue() -> str:
     """`squeue -h` of the benchmark's Slurm (its SLURM_CONF is in os.environ)."""
     done = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
@@ -194,15 +199,13 @@ def run_once(config: str, n: int, cluster: slurm.Slurm | None, timeout: float) -
         if record.workers != n:
             raise RuntimeError(f"the cell ran on {record.workers} workers, not {n}")
         result.update(cold=t2 - t0, start=t1 - t0, cell=t2 - t1, shipped_mib=record.bytes_shipped / 2**20)
-    except BaseException as exc:
+    except Exception as exc:  # reported with what the checks below find
         tail = "\n".join(said.getvalue().strip().splitlines()[-15:])
-        if isinstance(exc, Exception):
-            raise RuntimeError(f"{type(exc).__name__}: {exc}\n--- what the session said:\n{tail}") from exc
-        raise
+        problems.append(f"{type(exc).__name__}: {exc}\n--- what the session said:\n{tail}")
     finally:
         # After every stop, failed runs included: Slurm's queue is empty, nothing of the run is left.
         if launcher == "slurm" and cluster is not None:
-            queue = _squeue(cluster)
+            queue = _squeue()
             if queue.strip():
                 cluster.cancel()
                 deadline = time.monotonic() + 30
@@ -231,6 +234,9 @@ def spread(values) -> str:
 
 
 def main() -> None:
+    import slurm
+    from compare import median, print_table, progress, ratio
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="cluster sizes (each is a row)")
     parser.add_argument("--repeats", "--repeat", type=int, default=3,
@@ -276,7 +282,6 @@ def main() -> None:
     if any(CONFIGS[c][1] == "slurm" for c in runnable):
         import dask_jobqueue
         versions["dask_jobqueue"] = dask_jobqueue.__version__
-        versions["slurm"] = _version(["sbatch", "--version"])
     if "ipp-mpi" in runnable:
         import mpi4py
         versions["mpi4py"] = mpi4py.__version__
@@ -284,6 +289,8 @@ def main() -> None:
 
     meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "host": socket.gethostname(),
             "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), **versions,
+            # The package is measured as it is in the tree (a "-dirty" commit: with changes not committed).
+            "commit": _version(["git", "-C", str(HERE.parent), "describe", "--always", "--dirty"]),
             "loadavg_start": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()}}
     print(f"{socket.gethostname()}, {os.cpu_count()} cores, "
           + ", ".join(f"{k} {v}" for k, v in versions.items() if v)
@@ -300,7 +307,9 @@ def main() -> None:
             os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
             stack.callback(os.environ.pop, "SLURM_CONF", None)
             meta["slurm_started_s"] = round(time.monotonic() - t0, 2)
-            progress(f"launchers.py: a one-node Slurm ({cluster.node}) up in {meta['slurm_started_s']:.1f} s (not timed)")
+            meta["slurm"] = _version(["sbatch", "--version"])  # Slurm's clients need its SLURM_CONF
+            progress(f"launchers.py: a one-node Slurm ({cluster.node}, {meta['slurm']}) up in "
+                     f"{meta['slurm_started_s']:.1f} s (not timed)")
         for i in range(args.repeats):
             order = runs if i % 2 == 0 else runs[::-1]
             for position, (n, config) in enumerate(order, 1):

@@ -43,7 +43,6 @@ class Launcher(LoggingConfigurable):
     """The workers run on this machine, started by the engine's local launcher."""
 
     name = "local"
-    label = "local"
 
     def listen_address(self) -> str:
         """Where the cluster's controller or scheduler listens for its workers."""
@@ -112,7 +111,6 @@ class SlurmLauncher(Launcher):
     keys, TLS certificates) handed to the job in an owner-only directory."""
 
     name = "slurm"
-    label = "Slurm"
 
     partition = Unicode("", config=True, help="Slurm partition (sbatch --partition); default: the site's.")
     time_limit = Unicode("", config=True,
@@ -186,10 +184,13 @@ class SlurmLauncher(Launcher):
             raise ClusterError(f"Slurm refuses the job ({' '.join(argv[2:-1])}): {said.removeprefix('sbatch: ')}")
 
     def directory(self) -> str:
+        """An owner-only directory of this cluster's, named after this kernel (host, pid, start
+        time): one left by a kernel of this host that is gone (killed) is removed here."""
         if self._dir is None:
             base = os.path.expanduser(self.job_directory)
             os.makedirs(base, mode=0o700, exist_ok=True)
-            self._dir = tempfile.mkdtemp(prefix="cluster-", dir=base)  # 0700
+            _remove_orphans(base)
+            self._dir = tempfile.mkdtemp(prefix=f"{_owner()}-", dir=base)  # 0700
         return self._dir
 
     def listen_address(self) -> str:
@@ -286,7 +287,6 @@ class SlurmLauncher(Launcher):
         """The engine's launcher ran scancel; wait until the queue no longer holds our jobs
         (a job lingers while its processes end), cancelling again what is still there."""
         started = time.monotonic()
-        jobs = self.jobs()
         cancelled_again = False
         while True:
             active = [j for j, s in self.states().items() if s["state"] not in _ENDED]
@@ -300,9 +300,34 @@ class SlurmLauncher(Launcher):
                 cancelled_again = True
                 _slurm_output(["scancel", *active])
             time.sleep(0.2)
-        if self._dir is not None and jobs:
+        if self._dir is not None:  # the script, the output, the workers' certificate
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _owner(pid: int | None = None) -> str:
+    """'host.pid.start time' of a process of this machine (a home directory may be shared)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return f"{socket.gethostname()}.{process.pid}.{int(process.create_time() * 100)}"
+
+
+def _remove_orphans(base: str) -> None:
+    import psutil
+
+    host = socket.gethostname()
+    for name in os.listdir(base):
+        owner_host, _, rest = name.rpartition("-")[0].rpartition(".")[0].rpartition(".")
+        pid = rest if owner_host == host else ""
+        if not pid.isdigit():
+            continue
+        try:
+            if _owner(int(pid)) == name.rpartition("-")[0]:
+                continue  # its kernel still runs
+        except psutil.Error:
+            pass
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 def _summary(states: dict[str, dict]) -> str:
@@ -370,7 +395,6 @@ class MPILauncher(Launcher):
     rank i, and mpi4py works in the cell."""
 
     name = "mpi"
-    label = "MPI"
 
     mpiexec = List(Unicode(), ["mpiexec"], config=True, help="The mpiexec command.")
     mpi_args = List(Unicode(), config=True,

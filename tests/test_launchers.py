@@ -126,3 +126,26 @@ def test_the_launchers_extras_are_imported_only_when_used():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_job_directory_left_by_a_killed_kernel_of_this_host_is_removed_at_the_next_start(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine, gone = launchers._owner(alive.pid), launchers._owner(killed.pid)
+        killed.kill()
+        killed.wait()
+        for name in (f"{mine}-abc", f"{gone}-def", "another-host.example.1.123-ghi", "someone-elses"):
+            (tmp_path / name).mkdir()
+        launchers._remove_orphans(str(tmp_path))
+        # A live kernel's stays; so do another host's (a shared home) and names not ours.
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [f"{mine}-abc", "another-host.example.1.123-ghi", "someone-elses"])
+        assert socket.gethostname() in mine
+    finally:
+        alive.kill()
+        alive.wait()

@@ -118,6 +118,13 @@ assert len(ws) == %d and all(torch.equal(w, local) for w in ws), "weights differ
     counts = k.value("dict(__import__('collections').Counter(p['rank'] for p in jupyter_scale.history()))")
     assert counts == {r: 2 * 1024 // (workers * 32) for r in range(workers)}, counts
 
+    # The same cell run again finds its cluster; other launcher options would need a new one.
+    k.ok("%%distribute --launcher slurm --time 00:10:00\nagain = rank")
+    other = k.cell("%%distribute --launcher slurm --time 00:20:00\nagain = rank")
+    # IPython prints a UsageError as one line on stderr, with no traceback.
+    assert other.stderr == f"UsageError: a slurm cluster of {workers} workers is running with other options; " \
+                           "%scale stop it first\n", other.stderr
+
     stopped = k.ok("%scale stop", timeout=120).stdout
     assert f"stopped {workers} workers" in stopped
     assert cluster.jobs() == []  # stop returns once the queue is empty, not before
@@ -149,24 +156,46 @@ def test_a_job_cancelled_under_a_running_cell_fails_it_naming_the_job_and_the_ne
     assert set(k.value("jupyter_scale.get_session().gather('job')")) == set(new_jobs)
 
 
+def test_without_resubmit_the_next_cell_says_the_job_ended_until_restart(kernel, cluster):
+    if kernel.engine != "ipyparallel":
+        pytest.skip("the session decides for both engines alike; the engine part is in the test above")
+    k = kernel
+    k.ok("%config SlurmLauncher.resubmit = False")
+    try:
+        k.ok("%scale start --launcher slurm --workers 2 --time 00:10:00", timeout=180)
+        jobs = cluster.jobs()
+        out = k.cell(LONG, timeout=120, on_stream=lambda stream, text: "training" in text and cluster.cancel(*jobs))
+        assert not out.ok and out.error["ename"] == "WorkerDied", out.error_text
+        refused = k.cell("%%distribute\nx = 1")
+        assert not refused.ok and refused.error["ename"] == "ClusterError", refused.error_text
+        assert refused.error["evalue"] == (f"Slurm job {jobs[0]} was cancelled (CANCELLED); %scale restart submits "
+                                           "a new job (c.SlurmLauncher.resubmit = True does it at the next cell)")
+        assert cluster.jobs() == []  # nothing was submitted
+        k.ok("%scale restart", timeout=180)  # the same options: two workers, ten minutes
+        assert len(cluster.jobs()) == 1 and cluster.jobs() != jobs
+        k.ok("%%distribute\nassert world_size == 2")
+    finally:
+        k.ok("%config SlurmLauncher.resubmit = True")
+
+
 def test_a_pending_job_is_waited_for_with_its_state_not_timed_out(kernel, cluster):
     k = kernel
     # Held jobs wait in the queue (JobHeldUser) longer than the start timeout, which counts
     # only from when a job runs.
-    k.ok("%config SlurmLauncher.sbatch_options = ['--hold']\n%config ScaleSession.start_timeout = 5.0")
-    released = []
+    k.ok("%config SlurmLauncher.sbatch_options = ['--hold']\n%config ScaleSession.start_timeout = 15.0")
+    said = []
 
-    def release_once_seen_pending(stream, text):
-        if "pending (JobHeldUser)" in text and not released:
-            released.append(True)
+    def release_once_seen_pending_twice(stream, text):  # 20 s in the queue, more than the 15
+        said.extend(line for line in text.splitlines() if "pending (JobHeldUser)" in line)
+        if len(said) == 2:
             cluster.run("scontrol", "release", *cluster.jobs())
 
     try:
-        out = k.cell("%scale start --launcher slurm --workers 2", timeout=180, on_stream=release_once_seen_pending)
+        out = k.cell("%scale start --launcher slurm --workers 2", timeout=180, on_stream=release_once_seen_pending_twice)
     finally:
         k.ok("%config SlurmLauncher.sbatch_options = []\n%config ScaleSession.start_timeout = 120.0")
     assert out.ok, out.error_text
-    assert re.search(r"jupyter_scale: Slurm jobs? [\d, ]+ pending \(JobHeldUser\) for \d+ s", out.stdout), out.stdout
+    assert len(said) == 2 and re.search(r"jupyter_scale: Slurm jobs? [\d, ]+ pending \(JobHeldUser\) for 2\d s", said[1]), said
     assert "2 workers ready" in out.stdout
 
 

@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import pickle
+import shlex
 import tempfile
 import sys
 import threading
@@ -477,6 +478,11 @@ class DaskBackend(Backend):
         self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
         self._attach(client, n, timeout)
 
+    # `dask worker` imports a preload module in the nanny too (to check its arguments), which
+    # would import torch there as well (a second or two and 250 MB per job): given as code, the
+    # preload defines a hook that imports ours (and torch) in the worker only, before the first cell.
+    _SLURM_WORKER_PRELOAD = "def dask_setup(worker):\n    import jupyter_scale.backends.dask\n"
+
     def _start_on_slurm(self, n: int, timeout: float, launcher: SlurmLauncher) -> None:
         """dask-jobqueue's SLURMCluster: the scheduler in this kernel, one Slurm job per worker
         (its way), mutual TLS with a throwaway CA whose worker certificate waits for the jobs in
@@ -507,7 +513,7 @@ class DaskBackend(Backend):
             security=Security.temporary(), protocol="tls://",
             scheduler_options={"host": address, "dashboard_address": f"{address}:0"},
             # After jobqueue's own: no nanny killing a worker that trains a big model.
-            worker_extra_args=["--preload", __name__, "--memory-limit", "0"],
+            worker_extra_args=["--preload", shlex.quote(self._SLURM_WORKER_PRELOAD), "--memory-limit", "0"],
         )
         options.update(self._cluster_options)
         # No time limit asked: none in the script (the partition's), not dask-jobqueue's 30 minutes.

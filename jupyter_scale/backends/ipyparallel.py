@@ -483,8 +483,14 @@ class IPyParallelBackend(Backend):
             except Exception:  # a dead engine cannot answer; stop_cluster below still reaps
                 log.debug("engine shutdown request failed", exc_info=True)
             # Close the client only once the engines are gone: closing it at once drops the
-            # queued shutdown request, and every stop then waited out the 5 s below.
-            psutil.wait_procs(engines, timeout=5)
+            # queued shutdown request, and every stop then waited out the 5 s below. Engines
+            # elsewhere (a Slurm job's) are gone once the controller no longer lists them.
+            if engines:
+                psutil.wait_procs(engines, timeout=5)
+            else:
+                deadline = time.monotonic() + 5
+                while client.ids and time.monotonic() < deadline:
+                    time.sleep(0.05)
             client.close()
         if cluster is not None:
             cluster.stop_cluster_sync()
