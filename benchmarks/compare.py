@@ -496,6 +496,12 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def spread(values) -> str:
+    """'min-max' of the values that are not None (a table's range column)."""
+    values = [v for v in values if v is not None]
+    return f"{min(values):.2f}-{max(values):.2f}" if values else ""
+
+
 def ratio(ours: float | None, base: float | None) -> float | None:
     return ours / base if ours is not None and base else None
 

@@ -163,8 +163,9 @@ def _stop_processes(processes: list[psutil.Process], grace: float = 5.0) -> None
     psutil.wait_procs(alive, timeout=grace)
 
 
-def run_once(config: str, n: int, cluster: slurm.Slurm | None, timeout: float) -> dict:
-    """One cold start: a fresh session, start(), the first cell, stop(); seconds of each."""
+def run_once(config: str, n: int, cluster, timeout: float) -> dict:
+    """One cold start: a fresh session, start(), the first cell, stop(); seconds of each. `cluster`:
+    the test Slurm (tests/slurm.py) for the Slurm rows, else None."""
     from jupyter_scale.session import ScaleSession
 
     engine, launcher, _ = CONFIGS[config]
@@ -228,14 +229,9 @@ def run_once(config: str, n: int, cluster: slurm.Slurm | None, timeout: float) -
     return result
 
 
-def spread(values) -> str:
-    values = [v for v in values if v is not None]
-    return f"{min(values):.2f}-{max(values):.2f}" if values else ""
-
-
 def main() -> None:
     import slurm
-    from compare import median, print_table, progress, ratio
+    from compare import median, print_table, progress, ratio, spread
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="cluster sizes (each is a row)")

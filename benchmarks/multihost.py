@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import hosts  # noqa: E402  tests/hosts.py
 from compare import (  # noqa: E402  benchmarks/, the script's own folder
-    bench_record, cell_started, distribute_cells, median, print_table, progress, ratio, run_cells,
+    bench_record, cell_started, distribute_cells, median, print_table, progress, ratio, run_cells, spread,
     torchrun_script, training_result,
 )
 
@@ -160,11 +160,6 @@ def run_notebook_hosts(net: hosts.Hosts, engine: str, steps: int, warm: int, dir
     result["connect"] = _cell_seconds(nb, 1)
     result["train_cell"] = _cell_seconds(nb, 2)
     return result
-
-
-def spread(values) -> str:
-    values = [v for v in values if v is not None]
-    return f"{min(values):.2f}-{max(values):.2f}" if values else ""
 
 
 def main() -> None:

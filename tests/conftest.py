@@ -8,6 +8,34 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from kernel import Kernel  # noqa: E402
 
+# A small seeded model and dataset, and the README's loop on them (automatic mode, unchanged),
+# ending with the flat weights each rank holds: the tests of where workers run (other hosts,
+# Slurm, MPI) append what each rank saw of its place.
+README_DATA = """
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(1024, 8, generator=g), torch.randint(0, 2, (1024,), generator=g))
+"""
+README_LOOP = """
+loader = DataLoader(data, batch_size=32, shuffle=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        report(loss=loss)
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+"""
+# Run in the kernel after README_LOOP on `n` workers: every rank and the notebook hold the same weights.
+SAME_WEIGHTS = """
+ws = jupyter_scale.get_session().gather("weights")
+local = torch.cat([p.detach().flatten() for p in model.parameters()])
+assert len(ws) == {n} and all(torch.equal(w, local) for w in ws), "weights differ across ranks or the notebook"
+"""
+
 SETUP = """
 %load_ext jupyter_scale
 import torch, torch.nn as nn

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import SETUP, wait_gone
+from conftest import README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
 pytestmark = [
@@ -14,20 +14,7 @@ pytestmark = [
 ]
 mpi4py = pytest.importorskip("mpi4py", reason="needs mpi4py (pip install 'jupyter_scale[mpi]')")
 
-TRAIN = """%%distribute
-from mpi4py import MPI
-comm = MPI.COMM_WORLD
-loader = DataLoader(data, batch_size=32, shuffle=True)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for epoch in range(2):
-    for x, y in loader:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        report(loss=loss)
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-# MPI's own collective beside torch.distributed's: the ranks agree on who is who.
+TRAIN = "%%distribute\nfrom mpi4py import MPI\ncomm = MPI.COMM_WORLD" + README_LOOP + """# MPI's own collective beside torch.distributed's: the ranks agree on who is who.
 seen = dict(mpi_rank=comm.Get_rank(), mpi_size=comm.Get_size(), ranks=comm.allgather(rank))
 """
 
@@ -36,12 +23,7 @@ seen = dict(mpi_rank=comm.Get_rank(), mpi_size=comm.Get_size(), ranks=comm.allga
 def kernel():
     k = Kernel(backend="ipyparallel")
     try:
-        k.ok(SETUP + """
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-g = torch.Generator().manual_seed(1)
-data = TensorDataset(torch.randn(1024, 8, generator=g), torch.randint(0, 2, (1024,), generator=g))
-""")
+        k.ok(SETUP + README_DATA)
         yield k
     finally:
         k.cell("%scale stop", timeout=60)
@@ -59,12 +41,7 @@ def test_the_ranks_are_mpi_ranks_and_the_readmes_loop_trains(kernel):
     status = k.ok("%scale status").stdout
     assert status.startswith("jupyter_scale: MPI ipyparallel cluster, 4 workers"), status
     k.ok(TRAIN, timeout=240)
-    k.ok("""
-session = jupyter_scale.get_session()
-ws = session.gather("weights")
-local = torch.cat([p.detach().flatten() for p in model.parameters()])
-assert len(ws) == 4 and all(torch.equal(w, local) for w in ws), "weights differ across ranks or the notebook"
-""")
+    k.ok(SAME_WEIGHTS.format(n=4))
     seen = k.value("jupyter_scale.get_session().gather('seen')")
     assert [s["mpi_rank"] for s in seen] == [0, 1, 2, 3]
     assert {s["mpi_size"] for s in seen} == {4}

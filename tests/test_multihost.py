@@ -15,34 +15,17 @@ from pathlib import Path
 import pytest
 
 import hosts
-from conftest import ENGINES, SETUP, wait_gone
+from conftest import ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
 pytestmark = pytest.mark.skipif(bool(hosts.unavailable_reason()), reason=hosts.unavailable_reason() or "")
 
 PER_HOST = 2
 
-NOTEBOOK = """
-import os, socket
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-g = torch.Generator().manual_seed(1)
-data = TensorDataset(torch.randn(1024, 8, generator=g), torch.randint(0, 2, (1024,), generator=g))
-"""
+NOTEBOOK = "import os, socket" + README_DATA
 
 # The README's loop, unchanged (automatic mode), plus what each rank saw of its host.
-TRAIN = """%%distribute
-loader = DataLoader(data, batch_size=32, shuffle=True)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for epoch in range(2):
-    for x, y in loader:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        report(loss=loss)
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-seen = dict(host=socket.gethostname(), local_rank=int(os.environ["LOCAL_RANK"]),
+TRAIN = "%%distribute" + README_LOOP + """seen = dict(host=socket.gethostname(), local_rank=int(os.environ["LOCAL_RANK"]),
             local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]), master=os.environ["MASTER_ADDR"],
             gloo=os.environ["GLOO_SOCKET_IFNAME"], world_size=world_size)
 """
@@ -125,13 +108,9 @@ def test_a_group_of_two_hosts_trains_the_readmes_loop_like_one(multihost):
     states = k.value("sorted((s['rank'], s['state'], s.get('host')) for s in jupyter_scale.get_session().runs[-1].states)")
     beats = k.value("sorted(jupyter_scale.get_session()._beats)")
     k.ok("jupyter_scale.get_session().heartbeat_interval = 5.0")
-    k.ok("""
-session = jupyter_scale.get_session()
-ws = session.gather("weights")
-local = torch.cat([p.detach().flatten() for p in model.parameters()])
-assert len(ws) == 4 and all(torch.equal(w, local) for w in ws), "weights differ across ranks or the notebook"
-assert not session.shared_memory  # each host has its own /dev/shm: values went through the engine
-""")
+    k.ok(SAME_WEIGHTS.format(n=4))
+    # Each host has its own /dev/shm: values went through the engine.
+    assert k.value("jupyter_scale.get_session().shared_memory") is False
     seen = k.value("jupyter_scale.get_session().gather('seen')")
     names = [h.name for h in multihost.worker_hosts]
     assert sorted(s["host"] for s in seen) == sorted(names * PER_HOST)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import slurm
-from conftest import ENGINES, SETUP, wait_gone
+from conftest import ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
 if (_reason := slurm.unavailable_reason()) is not None:
@@ -16,27 +16,10 @@ if (_reason := slurm.unavailable_reason()) is not None:
 
 pytestmark = pytest.mark.timeout(300)
 
-NOTEBOOK = """
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-g = torch.Generator().manual_seed(1)
-data = TensorDataset(torch.randn(1024, 8, generator=g), torch.randint(0, 2, (1024,), generator=g))
-"""
+NOTEBOOK = README_DATA
 
 # The README's loop, unchanged (automatic mode), plus where each rank ran.
-TRAIN = """%%distribute
-import os
-loader = DataLoader(data, batch_size=32, shuffle=True)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for epoch in range(2):
-    for x, y in loader:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        report(loss=loss)
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-seen = dict(job=os.environ.get("SLURM_JOB_ID"), task=os.environ.get("SLURM_PROCID"), world_size=world_size)
+TRAIN = "%%distribute\nimport os" + README_LOOP + """seen = dict(job=os.environ.get("SLURM_JOB_ID"), task=os.environ.get("SLURM_PROCID"), world_size=world_size)
 """
 
 # Trains until stopped from outside (or for 200 s), saying when it has begun.
@@ -104,12 +87,7 @@ def test_the_readmes_loop_runs_as_a_slurm_job(kernel, cluster, workers):
 
     k.ok(NOTEBOOK)
     k.ok(TRAIN, timeout=240)
-    k.ok("""
-session = jupyter_scale.get_session()
-ws = session.gather("weights")
-local = torch.cat([p.detach().flatten() for p in model.parameters()])
-assert len(ws) == %d and all(torch.equal(w, local) for w in ws), "weights differ across ranks or the notebook"
-""" % workers)
+    k.ok(SAME_WEIGHTS.format(n=workers))
     seen = k.value("jupyter_scale.get_session().gather('seen')")
     assert {s["job"] for s in seen} == set(jobs)  # every rank ran inside the job(s) submitted
     assert {s["world_size"] for s in seen} == {workers}
