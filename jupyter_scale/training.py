@@ -174,6 +174,29 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A parameter that torch's sharding (FSDP2's fully_shard, tensor parallel) manages."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing is sharded
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def full_state_dicts(namespace: dict, names: list[str]) -> dict[str, dict]:
+    """The whole state dicts of the sharded modules among `names`, gathered onto rank 0 (on
+    CPU; empty on the other ranks). A collective: every rank calls it, in the same order."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    found = {}
+    for name in names:
+        module = namespace.get(name)
+        if isinstance(module, torch.nn.Module) and any(is_sharded(p) for p in module.parameters()):
+            found[name] = get_model_state_dict(module, options=options)
+    return found
+
+
 def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
     """Average the gradients of `params` across ranks, in buckets.
 
@@ -476,9 +499,11 @@ class AutoMode:
     # -- gradients -----------------------------------------------------------------
     def _average(self, params) -> None:
         # Parameters of a DDP model whose forward ran since the last step were averaged
-        # by DDP during backward; a DDP model that is merely alive changes nothing.
+        # by DDP during backward; a DDP model that is merely alive changes nothing. Sharded
+        # parameters (FSDP2's DTensors) had their gradients reduce-scattered in backward.
         skip = {id(p) for ddp in list(DDP_MODELS) if getattr(ddp, "_jupyter_scale_used", False)
                 for p in ddp.parameters()}
+        skip.update(id(p) for p in params if is_sharded(p))
         self._distributed_work = True
         _average_gradients(params, skip)
 

@@ -529,9 +529,16 @@ def run_cell(request: dict, *frames: Any) -> tuple:
               "elapsed": time.time() - started, "buffers": buffers, "rebound": _rebound(before),
               **_close_events(sink, "finished")}
     out_frames: list = []
+    # A sharded model comes back whole: every rank takes part in gathering it onto rank 0.
+    full_states: dict = {}
+    if _state.group_ready and _state.world_size > 1:
+        try:
+            full_states = training.full_state_dicts(_state.namespace, request.get("modules", []))
+        except Exception:  # another rank failed after the cell, the group is gone: said by name below
+            pass
     if rank == 0:
         tensor_frames: list[bool] = []
-        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames)
+        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames, full_states)
         if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
             _state.frames_out.keep = request["pull_through"]
             try:
@@ -570,13 +577,15 @@ def sync_buffers(names: list[str]) -> None:
     training.broadcast_buffers(_state.namespace, names)
 
 
-def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict]:
+def _pack_pulls(request: dict, out_frames: list, tensor_frames: list,
+                full_states: dict | None = None) -> tuple[list, dict]:
     """Rank 0's module weights and --pull values, as (names, kind, frame count).
 
     Modules travel as state dicts, one each; the --pull values as one dict, so that an
     object two of them hold (a scheduler's optimizer) stays one, and a tensor the
     notebook sent marked as the notebook's (an optimizer's parameters are the notebook
     model's). A name that cannot be packed is reported by name; it never fails the cell.
+    A sharded module's state dict is the whole one gathered before (`full_states`).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -603,7 +612,13 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
         if not isinstance(value, torch.nn.Module):
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
-        frames = packed(value.state_dict())
+        if name in (full_states or {}):
+            frames = packed(full_states[name])
+        elif any(training.is_sharded(p) for p in value.parameters()):
+            errors[name] = "is sharded and could not be gathered (another rank failed)"
+            continue
+        else:
+            frames = packed(value.state_dict())
         if isinstance(frames, str):
             errors[name] = frames
             continue

@@ -1,0 +1,83 @@
+"""Sharded models (FSDP2's `fully_shard`) in %%distribute cells, on a real 2-rank gloo group.
+
+A cell that shards its model itself trains exactly as the unsharded automatic mode does: FSDP2
+reduce-scatters the sharded gradients, and automatic mode must not average them a second time;
+afterwards the notebook's model holds the whole trained weights, gathered from every rank.
+"""
+
+import pytest
+
+NOTEBOOK = """
+import copy
+from torch.distributed.fsdp import fully_shard
+
+class Tied(nn.Module):
+    # BatchNorm, and an output layer that shares the input layer's weight.
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))
+        self.out = nn.Linear(16, 16)
+        self.out.weight = self.inp.weight
+        self.head = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.head(torch.relu(self.out(self.body(self.inp(x)))))
+
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(1280, 16, generator=g), torch.randint(0, 4, (1280,), generator=g))
+
+def flat(m):
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+"""
+
+# 20 SGD steps: 1280 samples / 2 ranks / 32 per batch.
+LOOP = """
+loader = DataLoader(data, batch_size=32, shuffle=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+steps = len(loader)
+"""
+
+
+@pytest.fixture(scope="module")
+def k(kernel):
+    kernel.ok(NOTEBOOK)
+    return kernel
+
+
+def test_a_cell_that_shards_its_model_trains_as_unsharded_automatic_mode_does(k):
+    # The kernel's seed decides the cell's (its shuffles, its initializations): the same for both runs.
+    k.ok("torch.manual_seed(0)\nstart = Tied()\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
+    k.ok("%%distribute --workers 2" + LOOP, timeout=300)
+    k.ok("unsharded = copy.deepcopy(model)\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
+    # The same loop; the cell shards the body's layers and the whole model first (FSDP2).
+    k.ok("%%distribute --workers 2\n"
+         "import jupyter_scale.training as training\n"
+         "for layer in model.body:\n"
+         "    if any(True for _ in layer.parameters()):\n"
+         "        fully_shard(layer)\n"
+         "fully_shard(model)\n"
+         "sharded = all(training.is_sharded(p) for p in model.parameters())\n"
+         "before = training.averaged_parameters" + LOOP +
+         "averaged_by_us = training.averaged_parameters - before\n", timeout=300)
+    assert k.value("jupyter_scale.get_session().gather('steps')") == [20, 20]
+    assert k.value("jupyter_scale.get_session().gather('sharded')") == [True, True]
+    # FSDP2 reduced the gradients; automatic mode left them alone (no double averaging).
+    assert k.value("jupyter_scale.get_session().gather('averaged_by_us')") == [0, 0]
+    # The notebook's model came back whole (the gathered state dict), trained as unsharded.
+    k.ok("""
+assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+assert model.out.weight is model.inp.weight  # still tied in the notebook
+difference = (flat(model) - flat(unsharded)).abs().max().item()
+assert difference <= 1e-5, difference
+assert (flat(model) - flat(start)).abs().max().item() > 1e-3, "did not train"
+for a, b in zip(model.body[1].buffers(), unsharded.body[1].buffers()):  # BatchNorm's running statistics
+    assert (a.float() - b.float()).abs().max().item() <= 1e-5
+""")
+    # The next cell trains on from the sharded model the workers hold.
+    k.ok("%%distribute" + LOOP, timeout=300)
+    k.ok("assert (flat(model) - flat(unsharded)).abs().max().item() > 1e-4")
