@@ -128,6 +128,9 @@ class ScaleMagics(Magics):
     @argument("--manual", action="store_true",
               help="no automatic sharding, gradient averaging or seeding: the cell calls "
                    "jupyter_scale.wrap/shard or torch.distributed itself")
+    @argument("--shard", action="store_true",
+              help="shard the notebook's models the cell trains across the ranks (FSDP2's fully_shard, block by "
+                   "block) before it runs: each rank keeps its part of the weights, gradients and optimizer state")
     @_launcher_arguments
     @cell_magic
     def distribute(self, line: str, cell: str):
@@ -173,9 +176,11 @@ class ScaleMagics(Magics):
         launcher, options = _launch(args, self.session.launcher)
         if not cell.strip():
             raise UsageError("%%distribute needs a cell body to run")
+        if args.shard and args.manual:
+            raise UsageError("--shard is automatic mode's; with --manual, call fully_shard in the cell")
         self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
-                         steps=args.steps, launcher=launcher, launcher_options=options)
+                         steps=args.steps, launcher=launcher, launcher_options=options, shard=args.shard)
 
     def _check_launch(self, launcher: str | None, options: dict) -> None:
         """Launcher options describe a new cluster: with one running, they must be its own."""

@@ -595,13 +595,17 @@ class ScaleSession(LoggingConfigurable):
     # ------------------------------------------------------------------------------
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
             timeout: float | None = None, manual: bool = False, steps: int | None = None,
-            launcher: str | None = None, launcher_options: dict | None = None) -> RunRecord:
+            launcher: str | None = None, launcher_options: dict | None = None, shard: bool = False) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
         and averages gradients at every optimizer step; `manual=True` does none of it.
         `launcher` and its options: where the workers run when no cluster runs (see start).
+        `shard=True` (automatic mode): the notebook's models the cell uses are sharded across
+        the ranks with FSDP2 (`fully_shard`, block by block) before the cell runs.
         """
+        if shard and manual:
+            raise ValueError("shard is automatic mode's; with manual, call fully_shard in the cell")
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
@@ -632,6 +636,7 @@ class ScaleSession(LoggingConfigurable):
             "modules": modules,
             "pull": pull,
             "auto": not manual,
+            "shard": shard,
             "events": events.address,
             # Signs the workers' batches: the event port is open to every local user, the
             # engine's channel that carries this request is not.

@@ -183,6 +183,50 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units to shard one by one, deepest first: the members of every nn.Sequential and
+    nn.ModuleList in the model (a transformer's layers, a Sequential's layers) that hold
+    parameters of their own; the model itself takes what is left."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
+            found.extend(child for child in module.children()
+                         if not isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))
+                         and any(True for _ in child.parameters()))
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    return sorted(found, key=lambda m: -depth.get(id(m), 0))
+
+
+def shard_models(namespace: dict, names: list[str]) -> list[str]:
+    """FSDP2 (`fully_shard`) on the models among `names` that are not sharded yet, block by
+    block, then whole; each rank keeps its shard of every parameter. Optimizers in the
+    namespace that hold a model's parameters are given the sharded ones (an optimizer made
+    in the notebook keeps training the model). Returns the names sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = []
+    optimizers = [v for v in namespace.values() if isinstance(v, torch.optim.Optimizer)]
+    for name in names:
+        model = namespace.get(name)
+        if not isinstance(model, torch.nn.Module) or isinstance(model, DistributedDataParallel):
+            continue
+        params = dict(model.named_parameters())
+        if not params or any(is_sharded(p) for p in params.values()):
+            continue  # nothing to shard, or sharded already (by an earlier cell, or the cell itself)
+        before = {id(p): key for key, p in params.items()}
+        for block in _blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        after = dict(model.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [after[before[id(p)]] if id(p) in before else p for p in group["params"]]
+            for old in [p for p in list(optimizer.state) if id(p) in before]:
+                optimizer.state[after[before[id(old)]]] = optimizer.state.pop(old)
+        sharded.append(name)
+    return sharded
+
+
 def full_state_dicts(namespace: dict, names: list[str]) -> dict[str, dict]:
     """The whole state dicts of the sharded modules among `names`, gathered onto rank 0 (on
     CPU; empty on the other ranks). A collective: every rank calls it, in the same order."""

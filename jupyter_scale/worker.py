@@ -486,6 +486,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             received = True
             if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
                 training.resync(_state.namespace)
+            if auto and request.get("shard"):  # --shard: the notebook's models the cell uses, sharded
+                training.shard_models(_state.namespace, request.get("modules", []))
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")

@@ -81,3 +81,40 @@ for a, b in zip(model.body[1].buffers(), unsharded.body[1].buffers()):  # BatchN
     # The next cell trains on from the sharded model the workers hold.
     k.ok("%%distribute" + LOOP, timeout=300)
     k.ok("assert (flat(model) - flat(unsharded)).abs().max().item() > 1e-4")
+
+
+def test_shard_trains_the_unchanged_loop_sharded_and_equal_to_unsharded(k):
+    k.ok("torch.manual_seed(0)\nstart = Tied()\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
+    k.ok("%%distribute --workers 2" + LOOP, timeout=300)
+    k.ok("unsharded = copy.deepcopy(model)\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
+    out = k.ok("%%distribute --workers 2 --shard\n"
+               "import jupyter_scale.training as training\n"
+               "sharded = [n for n, p in model.named_parameters() if training.is_sharded(p)]\n"
+               "units = sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))" + LOOP, timeout=300)
+    assert "Traceback" not in out.stderr
+    names = k.value("[n for n, _ in start.named_parameters()]")
+    assert k.value("jupyter_scale.get_session().gather('sharded')") == [names, names]  # every parameter
+    assert k.value("jupyter_scale.get_session().gather('units')") == [4, 4]  # 3 layers of body, and the model
+    k.ok("""
+assert (flat(model) - flat(unsharded)).abs().max().item() <= 1e-5
+assert model.out.weight is model.inp.weight
+""")
+
+
+def test_shard_keeps_an_optimizer_made_in_the_notebook_training_the_model(k):
+    k.ok("torch.manual_seed(0)\nstart = Tied()\nmodel = copy.deepcopy(start)\n"
+         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\ntorch.manual_seed(7)")
+    k.ok("%%distribute --workers 2 --shard\n"
+         "loader = DataLoader(data, batch_size=32, shuffle=True)\n"
+         "for x, y in loader:\n"
+         "    opt.zero_grad()\n"
+         "    nn.functional.cross_entropy(model(x), y).backward()\n"
+         "    opt.step()\n", timeout=300)
+    k.ok("""
+assert (flat(model) - flat(start)).abs().max().item() > 1e-3, "the notebook's optimizer did not train the model"
+""")
+
+
+def test_shard_with_manual_is_refused_in_one_line(k):
+    out = k.cell("%%distribute --shard --manual\nx = 1")
+    assert out.stderr.startswith("UsageError: --shard is automatic mode's; with --manual, call fully_shard"), out.stderr
