@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .batchnorm import sync_batchnorm
+from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import (CellTimeout, ClusterError, DistributeError, RemoteError, ShippingError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
 from .metrics import report
@@ -66,7 +67,8 @@ def unload_ipython_extension(ip) -> None:
 
 
 __all__ = [
-    "__version__", "get_session", "history", "report", "shard", "sync_batchnorm", "wrap",
+    "__version__", "get_session", "history", "report", "shard", "sync_batchnorm", "wrap", "save_checkpoint",
+    "load_checkpoint",
     "DistributeError", "ClusterError", "RemoteError", "ShippingError", "WorkerDied", "CellTimeout",
     "WorkerLost", "WorkerCallFailed",
 ]

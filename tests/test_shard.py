@@ -118,3 +118,25 @@ assert (flat(model) - flat(start)).abs().max().item() > 1e-3, "the notebook's op
 def test_shard_with_manual_is_refused_in_one_line(k):
     out = k.cell("%%distribute --shard --manual\nx = 1")
     assert out.stderr.startswith("UsageError: --shard is automatic mode's; with --manual, call fully_shard"), out.stderr
+
+
+def test_a_sharded_checkpoint_of_two_ranks_loads_into_three_and_into_the_notebook(k, tmp_path):
+    path = str(tmp_path / "ckpt")
+    k.ok("torch.manual_seed(0)\nmodel = Tied()\ntorch.manual_seed(7)")
+    k.ok("%%distribute --workers 2 --shard\n"
+         "opt = torch.optim.Adam(model.parameters(), lr=0.01)" + LOOP.replace("opt = torch.optim.SGD(model.parameters(), lr=0.1)\n", "") +
+         f"jupyter_scale.save_checkpoint({path!r}, model=model, optimizer=opt)\n", timeout=300)
+    k.ok("trained = copy.deepcopy(model)")
+    # Three ranks, a model initialized differently, a fresh optimizer: all from the checkpoint.
+    k.ok("torch.manual_seed(1)\nmodel = Tied()\nassert (flat(model) - flat(trained)).abs().max().item() > 1e-2")
+    k.ok("%scale restart --workers 3", timeout=180)
+    k.ok("%%distribute --shard\n"
+         "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+         f"jupyter_scale.load_checkpoint({path!r}, model=model, optimizer=opt)\n"
+         "steps_taken = [s['step'] for s in opt.state_dict()['state'].values()][:1]\n", timeout=300)
+    k.ok("assert torch.equal(flat(model), flat(trained))")
+    assert k.value("[float(s[0]) for s in jupyter_scale.get_session().gather('steps_taken')]") == [20.0] * 3
+    # And into the notebook's own model, no process group at all.
+    k.ok(f"local = Tied()\njupyter_scale.load_checkpoint({path!r}, model=local)\n"
+         "assert torch.equal(flat(local), flat(trained))")
+    k.ok("%scale restart --workers 2", timeout=180)
