@@ -496,6 +496,20 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def save_results(out, meta: dict, started: float, failed: dict, **results) -> None:
+    """The run's end: how long and how loaded, the JSON written to `out` (meta, the results,
+    failed, seconds), and exit status 1 when some runs failed."""
+    meta["loadavg_end"] = os.getloadavg()
+    seconds = round(time.monotonic() - started, 1)
+    print(f"\n{seconds:.0f} s; load average at the start {meta['loadavg_start'][0]:.2f}, "
+          f"at the end {meta['loadavg_end'][0]:.2f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, **results, "failed": failed, "seconds": seconds}, indent=1) + "\n")
+    print(f"raw results and medians: {out}")
+    if failed:
+        sys.exit(f"runs that failed: {failed}")
+
+
 def spread(values) -> str:
     """'min-max' of the values that are not None (a table's range column)."""
     values = [v for v in values if v is not None]

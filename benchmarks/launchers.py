@@ -44,7 +44,6 @@ import contextlib
 import datetime
 import importlib.util
 import io
-import json
 import os
 import platform
 import shutil
@@ -231,7 +230,7 @@ def run_once(config: str, n: int, cluster, timeout: float) -> dict:
 
 def main() -> None:
     import slurm
-    from compare import median, print_table, progress, ratio, spread
+    from compare import median, print_table, progress, ratio, save_results, spread
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="cluster sizes (each is a row)")
@@ -352,19 +351,9 @@ def main() -> None:
                 rows, [0, 0, 0, 2, 2, 0, 2, 2, 2])
     failed = {f"{c} x{n}": len(rs) - len(ok[c][n]) for c, by_n in raw.items() for n, rs in by_n.items()
               if len(rs) != len(ok[c][n])}
-    meta["loadavg_end"] = os.getloadavg()
-    seconds = round(time.monotonic() - started, 1)
-    print(f"\n{seconds:.0f} s; load average at the start {meta['loadavg_start'][0]:.2f}, "
-          f"at the end {meta['loadavg_end'][0]:.2f}")
-    results = {"meta": meta, "labels": {c: f"{CONFIGS[c][0]}, {CONFIGS[c][2]}" for c in configs},
-               "baseline": {c: BASELINE[CONFIGS[c][0]] for c in configs}, "skipped": skipped, "raw": raw,
-               "median": medians, "min_max": ranges, "ratio_to_embedded": ratios, "failed": failed,
-               "seconds": seconds}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"raw results and medians: {args.out}")
-    if failed:
-        sys.exit(f"runs that failed: {failed}")
+    save_results(args.out, meta, started, failed, labels={c: f"{CONFIGS[c][0]}, {CONFIGS[c][2]}" for c in configs},
+                 baseline={c: BASELINE[CONFIGS[c][0]] for c in configs}, skipped=skipped, raw=raw, median=medians,
+                 min_max=ranges, ratio_to_embedded=ratios)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import random
@@ -46,7 +45,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import hosts  # noqa: E402  tests/hosts.py
 from compare import (  # noqa: E402  benchmarks/, the script's own folder
-    bench_record, cell_started, distribute_cells, median, print_table, progress, ratio, run_cells, spread,
+    bench_record, cell_started, distribute_cells, median, print_table, progress, ratio, run_cells, save_results,
+    spread,
     torchrun_script, training_result,
 )
 
@@ -245,18 +245,8 @@ def main() -> None:
                   medians[t]["connect"], medians[t]["maxrss_mib"]] for t in tools],
                 [0, 2, 2, 0, 1, 2, 0, 2, 0])
     failed = {t: len(raw[t]) - len(ok[t]) for t in tools if len(raw[t]) != len(ok[t])}
-    meta["loadavg_end"] = os.getloadavg()
-    seconds = round(time.monotonic() - started, 1)
-    print(f"\n{seconds:.0f} s; load average at the start {meta['loadavg_start'][0]:.2f}, "
-          f"at the end {meta['loadavg_end'][0]:.2f}")
-    results = {"meta": meta, "labels": {t: TOOLS[t] for t in tools}, "raw": raw, "median": medians,
-               "min_max": ranges, "ratio_to_torchrun": ratios, "failed": failed, "left_in_hosts": leftovers,
-               "seconds": seconds}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"raw results and medians: {args.out}")
-    if failed:
-        sys.exit(f"runs that failed: {failed}")
+    save_results(args.out, meta, started, failed, labels={t: TOOLS[t] for t in tools}, raw=raw, median=medians,
+                 min_max=ranges, ratio_to_torchrun=ratios, left_in_hosts=leftovers)
 
 
 if __name__ == "__main__":

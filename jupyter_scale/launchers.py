@@ -174,10 +174,9 @@ class SlurmLauncher(Launcher):
         partition, account or time fails here in one line, not as workers that never come."""
         argv = ["sbatch", "--test-only", f"--ntasks={tasks}", *self.directives(worker_per_job=worker_per_job),
                 "--wrap=true"]
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ClusterError(f"sbatch --test-only did not answer: {exc}") from None
+        done = _run(argv, timeout=60)
+        if done is None:
+            raise ClusterError("sbatch --test-only did not answer within 60 s")
         if done.returncode != 0:
             lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
             said = next((line for line in lines if "error" in line), lines[-1] if lines else f"status {done.returncode}")
@@ -217,12 +216,7 @@ class SlurmLauncher(Launcher):
         jobs = self.jobs()
         if not jobs:
             return {}
-        found: dict[str, dict] = {}
-        for job in jobs:  # one at a time: squeue fails on a whole list when one id is unknown
-            state = _squeue(job)
-            if state is not None:
-                found[job] = state
-        return found
+        return _squeue(jobs)
 
     def wait_for_workers(self, ready: Callable[[float], bool], n: int, timeout: float) -> None:
         """Wait as long as the job is pending (a busy cluster is normal), saying so every few
@@ -337,30 +331,33 @@ def _summary(states: dict[str, dict]) -> str:
     return ", ".join(f"{k}" if len(states) == 1 else f"{v} {k}" for k, v in counts.items()) or "not in the queue yet"
 
 
-def _squeue(job: str) -> dict | None:
-    """{state, reason, nodes} of a job; state GONE once Slurm forgot it (it ended MinJobAge
-    seconds ago, 5 minutes by default); None when squeue does not answer."""
-    try:
-        done = subprocess.run(["squeue", "--noheader", "--states=all", "--jobs", job, "--format=%i|%T|%r|%N"],
-                              capture_output=True, text=True, timeout=15, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return {"state": "GONE", "reason": "", "nodes": ""} if "Invalid job id" in done.stderr else None
+def _squeue(jobs: list[str]) -> dict[str, dict]:
+    """job id -> {state, reason, nodes}, in one squeue call; state GONE for a job Slurm forgot
+    (it ended MinJobAge seconds ago, 5 minutes by default); {} when squeue does not answer."""
+    done = _run(["squeue", "--noheader", "--states=all", "--jobs", ",".join(jobs), "--format=%i|%T|%r|%N"])
+    # squeue lists the jobs it knows of a list, but fails on a single one it does not know.
+    if done is None or (done.returncode != 0 and "Invalid job id" not in done.stderr):
+        return {}
+    found = {job: {"state": "GONE", "reason": "", "nodes": ""} for job in jobs}
     for line in done.stdout.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 4 and parts[0] == job:
-            return {"state": parts[1], "reason": parts[2], "nodes": parts[3]}
-    return {"state": "GONE", "reason": "", "nodes": ""}
+        if len(parts) == 4 and parts[0] in found:
+            found[parts[0]] = {"state": parts[1], "reason": parts[2], "nodes": parts[3]}
+    return found
+
+
+def _run(argv: list[str], timeout: float = 15.0) -> subprocess.CompletedProcess | None:
+    """A Slurm client's run (its output as text), or None when it did not run or answer."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def _slurm_output(argv: list[str], timeout: float = 15.0) -> str | None:
     """A Slurm client's stdout, or None when it failed (an unknown job, a busy controller)."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+    done = _run(argv, timeout)
+    return done.stdout if done is not None and done.returncode == 0 else None
 
 
 def _address_toward_slurm() -> str:

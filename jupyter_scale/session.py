@@ -517,8 +517,8 @@ class ScaleSession(LoggingConfigurable):
             # mpiexec or srun numbered them: rank i is MPI rank i (mpi4py in the cell agrees).
             order = sorted(range(n), key=lambda r: given[r][0])
         else:
-            node_rank = {node: i for i, node in enumerate(dict.fromkeys(w["node"] for w in self.workers))}
-            order = sorted(range(n), key=lambda r: node_rank[self.workers[r]["node"]])  # stable: rank order within a host
+            first_seen = {node: i for i, node in enumerate(dict.fromkeys(w["node"] for w in self.workers))}
+            order = sorted(range(n), key=lambda r: first_seen[self.workers[r]["node"]])  # stable within a host
         if order != list(range(n)):
             backend.order_ranks(order)
             self.workers = [self.workers[r] for r in order]
