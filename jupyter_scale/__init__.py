@@ -14,7 +14,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import (CellTimeout, ClusterError, DistributeError, RemoteError, ShippingError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
 from .metrics import report
-from .training import shard, wrap
+from .training import shard, shard_model, wrap
 
 _session = None
 
@@ -67,7 +67,7 @@ def unload_ipython_extension(ip) -> None:
 
 
 __all__ = [
-    "__version__", "get_session", "history", "report", "shard", "sync_batchnorm", "wrap", "save_checkpoint",
+    "__version__", "get_session", "history", "report", "shard", "shard_model", "sync_batchnorm", "wrap", "save_checkpoint",
     "load_checkpoint",
     "DistributeError", "ClusterError", "RemoteError", "ShippingError", "WorkerDied", "CellTimeout",
     "WorkerLost", "WorkerCallFailed",

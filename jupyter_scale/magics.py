@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import launchers
+from . import launchers, training
 from .backends import available_backends
 from .session import ScaleSession
 
@@ -129,8 +129,13 @@ class ScaleMagics(Magics):
               help="no automatic sharding, gradient averaging or seeding: the cell calls "
                    "jupyter_scale.wrap/shard or torch.distributed itself")
     @argument("--shard", action="store_true",
-              help="shard the notebook's models the cell trains across the ranks (FSDP2's fully_shard, block by "
-                   "block) before it runs: each rank keeps its part of the weights, gradients and optimizer state")
+              help="shard the models the cell trains across the ranks (FSDP2's fully_shard, block by block): each "
+                   "rank keeps its part of the weights, gradients and optimizer state; a model the cell builds on "
+                   "the meta device is materialized shard by shard")
+    @argument("--mixed-precision", choices=sorted(training.PRECISIONS), default=None,
+              help="with --shard: compute in this dtype, reduce gradients in float32 (FSDP2's MixedPrecisionPolicy)")
+    @argument("--cpu-offload", action="store_true",
+              help="with --shard: keep the shards in CPU memory between uses (FSDP2's CPUOffloadPolicy; GPUs only)")
     @_launcher_arguments
     @cell_magic
     def distribute(self, line: str, cell: str):
@@ -177,10 +182,18 @@ class ScaleMagics(Magics):
         if not cell.strip():
             raise UsageError("%%distribute needs a cell body to run")
         if args.shard and args.manual:
-            raise UsageError("--shard is automatic mode's; with --manual, call fully_shard in the cell")
+            raise UsageError("--shard is automatic mode's; with --manual, call jupyter_scale.shard_model in the cell")
+        shard = {}
+        if args.mixed_precision:
+            shard["mixed_precision"] = args.mixed_precision
+        if args.cpu_offload:
+            shard["offload"] = True
+        if shard and not args.shard:
+            raise UsageError("--mixed-precision and --cpu-offload are options of --shard")
         self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
-                         steps=args.steps, launcher=launcher, launcher_options=options, shard=args.shard)
+                         steps=args.steps, launcher=launcher, launcher_options=options,
+                         shard=(shard or True) if args.shard else False)
 
     def _check_launch(self, launcher: str | None, options: dict) -> None:
         """Launcher options describe a new cluster: with one running, they must be its own."""

@@ -187,6 +187,10 @@ class ScaleSession(LoggingConfigurable):
                                       "keep between cells, so that the next cell writes into memory already "
                                       "handed out (several times faster than fresh memory); a larger cell's "
                                       "file is emptied after the cell.")
+    pull_chunk_bytes = Integer(64 << 20, config=True,
+                               help="A sharded model comes back to the notebook in chunks of whole tensors of "
+                                    "at most this many bytes (one tensor when it is larger), so that no process "
+                                    "holds a second whole copy of it.")
     rendezvous_address = Unicode("", config=True,
                                  help="For a cluster across hosts: where the ranks meet, an address of rank 0's "
                                       "host or a network (10.1.0.0/16) to take rank 0's address in. Default: rank "
@@ -595,17 +599,19 @@ class ScaleSession(LoggingConfigurable):
     # ------------------------------------------------------------------------------
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
             timeout: float | None = None, manual: bool = False, steps: int | None = None,
-            launcher: str | None = None, launcher_options: dict | None = None, shard: bool = False) -> RunRecord:
+            launcher: str | None = None, launcher_options: dict | None = None, shard: bool | dict = False) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
         and averages gradients at every optimizer step; `manual=True` does none of it.
         `launcher` and its options: where the workers run when no cluster runs (see start).
-        `shard=True` (automatic mode): the notebook's models the cell uses are sharded across
-        the ranks with FSDP2 (`fully_shard`, block by block) before the cell runs.
+        `shard=True` (automatic mode): the models the cell trains are sharded across the ranks
+        with FSDP2 (`jupyter_scale.shard_model`): the notebook's before the cell runs, the
+        cell's own when an optimizer is built over their parameters; a dict gives
+        shard_model's options (`mixed_precision`, `offload`, `blocks`, `init`).
         """
         if shard and manual:
-            raise ValueError("shard is automatic mode's; with manual, call fully_shard in the cell")
+            raise ValueError("shard is automatic mode's; with manual, call jupyter_scale.shard_model in the cell")
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
@@ -636,7 +642,7 @@ class ScaleSession(LoggingConfigurable):
             "modules": modules,
             "pull": pull,
             "auto": not manual,
-            "shard": shard,
+            "shard": (dict(shard) if isinstance(shard, dict) else {}) if shard else None,
             "events": events.address,
             # Signs the workers' batches: the event port is open to every local user, the
             # engine's channel that carries this request is not.
@@ -1081,10 +1087,16 @@ class ScaleSession(LoggingConfigurable):
         at = 0
         held = None
         for names, kind, count in header.get("pulled", []):
-            stream, buffers = frames[at], frames[at + 1: at + count]
-            at += count
+            if kind == "sharded":
+                stream = buffers = None
+            else:
+                stream, buffers = frames[at], frames[at + 1: at + count]
+                at += count
             try:
-                if kind == "state_dict":
+                if kind == "sharded":  # `count` is the plan of its state dict
+                    self._pull_sharded(names[0], count)
+                    values = {}
+                elif kind == "state_dict":
                     # Copied into the notebook's model at once: no copy before.
                     value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
                     _check_state_dict(self.namespace[names[0]], value)  # all or nothing
@@ -1106,6 +1118,51 @@ class ScaleSession(LoggingConfigurable):
                 self.shipper.mark_synced(name, self.namespace[name])
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
+
+    def _pull_sharded(self, name: str, plan: list) -> None:
+        """Copy a sharded model's trained weights into the notebook's model, a chunk of
+        whole tensors at a time (at most `pull_chunk_bytes`, or one tensor if larger):
+        every rank gathers the chunk's shards, rank 0 sends it, the kernel copies it in
+        place. Neither the kernel nor any rank holds a second whole copy of the model."""
+        module = self.namespace[name]
+        targets = module.state_dict(keep_vars=True)
+        wanted = {key: shape for key, shape, _, _ in plan}
+        mismatched = sorted(k for k in wanted.keys() | targets.keys()
+                            if k not in wanted or k not in targets or list(targets[k].shape) != wanted[k])
+        if mismatched:  # checked before anything is written: all or nothing
+            raise ValueError(f"the notebook's {name} and the workers' differ at {_listed(mismatched[:5])}")
+        chunks: list[list[str]] = [[]]
+        size = 0
+        for key, _, nbytes, alias in plan:
+            if alias is not None:
+                continue  # tied to an earlier key: the same tensor
+            if chunks[-1] and size + nbytes > self.pull_chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(key)
+            size += nbytes
+        written = 0
+        for keys in chunks:
+            job = self.backend.submit(worker.whole_tensors, name, keys)
+            try:
+                answers = job.wait(self.start_timeout)
+            except BaseException as exc:
+                self._stop_abandoned(job)
+                self._group_ready, self._resync = False, True
+                raise RuntimeError(f"{exc}; {written} of {len(plan)} of its tensors were written: the notebook's "
+                                   f"{name} is partly updated (the workers still hold the trained model)") from None
+            finally:
+                job.release()
+            values = shipping.loads(answers[0][1], answers[0][2:], copy=False, namespace=self.namespace)
+            with torch.no_grad():
+                for key, value in values.items():
+                    targets[key].copy_(value)
+            written += len(keys)
+            del values, answers
+        with torch.no_grad():
+            for key, _, _, alias in plan:  # tied on the workers: tied in the notebook too, or copied
+                if alias is not None and targets[key] is not targets[alias]:
+                    targets[key].copy_(targets[alias])
 
     def gather(self, name: str) -> list:
         """Every rank's value of worker variable `name`, in rank order."""

@@ -183,27 +183,199 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The units to shard one by one, deepest first: the members of every nn.Sequential and
-    nn.ModuleList in the model (a transformer's layers, a Sequential's layers) that hold
-    parameters of their own; the model itself takes what is left."""
-    found = []
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
-            found.extend(child for child in module.children()
-                         if not isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))
-                         and any(True for _ in child.parameters()))
+def _blocks(model: torch.nn.Module, policy=None) -> list[torch.nn.Module]:
+    """The units to shard one by one, deepest first. By default the members of every
+    nn.Sequential and nn.ModuleList in the model (a transformer's layers, a Sequential's
+    layers) that hold parameters of their own; `policy` (module -> bool, or a tuple of
+    module classes) picks them instead. The model itself takes what is left."""
+    if policy is None:
+        found = []
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
+                found.extend(child for child in module.children()
+                             if not isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))
+                             and any(True for _ in child.parameters()))
+    else:
+        picks = (lambda m: isinstance(m, policy)) if isinstance(policy, (type, tuple)) else policy
+        found = [m for m in model.modules() if m is not model and picks(m) and any(True for _ in m.parameters())]
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     return sorted(found, key=lambda m: -depth.get(id(m), 0))
 
 
-def shard_models(namespace: dict, names: list[str]) -> list[str]:
-    """FSDP2 (`fully_shard`) on the models among `names` that are not sharded yet, block by
-    block, then whole; each rank keeps its shard of every parameter. Optimizers in the
+PRECISIONS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def _fsdp_options(mixed_precision, offload: bool) -> dict:
+    """fully_shard's keyword arguments for the given precision and offload choices."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    options = {}
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        options["mp_policy"] = mixed_precision
+    elif mixed_precision is not None:
+        dtype = PRECISIONS.get(mixed_precision, mixed_precision) if isinstance(mixed_precision, str) else mixed_precision
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, a torch dtype or a "
+                             f"MixedPrecisionPolicy, not {mixed_precision!r}")
+        # Compute in `dtype`, reduce gradients in float32: what torch's own examples do.
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if offload:
+        if _group_device().type == "cpu":
+            raise ValueError("offload=True keeps the shards in CPU memory between uses on an accelerator; "
+                             "these ranks train on the CPU already")
+        options["offload_policy"] = CPUOffloadPolicy()
+    return options
+
+
+def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, offload: bool = False,
+                init=None) -> torch.nn.Module:
+    """Shard `model` across the ranks with FSDP2 (`fully_shard`), block by block, then whole;
+    each rank keeps 1/N of every parameter (and so of its gradient and optimizer state).
+    Returns the model, changed in place. Call it before building the optimizer.
+
+    A model built under `torch.device("meta")` (no memory, no initialization) is
+    materialized here, one module at a time: every rank initializes that module's whole
+    tensors with its `reset_parameters()` (or `init(module)`) and keeps its shard, so no
+    process ever holds the whole model, and with the same seed the weights are those of
+    the model built normally (initialization replayed module by module, in order).
+
+    `blocks`: which submodules are sharding units (module -> bool, or module classes);
+    by default the members of every nn.Sequential and nn.ModuleList. `mixed_precision`:
+    "bf16"/"fp16" (compute in it, reduce gradients in float32) or a MixedPrecisionPolicy.
+    `offload=True`: FSDP2's CPUOffloadPolicy (accelerators only). Outside a process group
+    (the cell run without %%distribute) the model is only materialized.
+    """
+    options = _fsdp_options(mixed_precision, offload)
+    if dist.is_available() and dist.is_initialized() and not any(is_sharded(p) for p in model.parameters()):
+        from torch.distributed.fsdp import fully_shard
+
+        units = _blocks(model, blocks)
+        if "mp_policy" in options:
+            # BatchNorm keeps float32 running statistics, which a lower-precision forward
+            # cannot use: it computes in float32 (its unit casts its input), as under autocast.
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+            units += [m for m in norms if m not in units and m is not model]
+            full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for unit in units:
+            norm = "mp_policy" in options and isinstance(unit, torch.nn.modules.batchnorm._BatchNorm)
+            fully_shard(unit, **{**options, "mp_policy": full} if norm else options)
+        fully_shard(model, **options)
+    _materialize(model, init)
+    return model
+
+
+def _materialize(model: torch.nn.Module, init=None) -> None:
+    """Give a model built on the meta device real values, module by module (see shard_model)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return
+    if not all(t.is_meta for t in tensors):
+        raise ValueError("shard_model: the model is partly on the meta device; build all of it under "
+                         "torch.device('meta'), or none")
+    device = _group_device() if dist.is_available() and dist.is_initialized() else torch.device("cpu")
+    ties = _ties(model)
+    model.to_empty(device=device)  # a sharded parameter gets room for its shard only
+    for owners in ties:  # to_empty may give each owner of a tied parameter a new one of its own
+        for module, name in owners[1:]:
+            module._parameters[name] = owners[0][0]._parameters[owners[0][1]]
+    done: set[int] = set()
+    with torch.no_grad():
+        for prefix, module in _children_first(model):
+            params = {n: p for n, p in module._parameters.items() if p is not None}
+            buffers = {n: b for n, b in module._buffers.items() if b is not None}
+            if not params and not buffers:
+                continue
+            named = [f"{prefix}.{n}".lstrip(".") for n in [*params, *buffers]]
+            reset = init or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+            if reset is None:
+                kind = _class_name(module)
+                raise ValueError(f"shard_model: {', '.join(named)} ({kind}) {'was' if len(named) == 1 else 'were'} "
+                                 f"built on the meta device and nothing initializes it: {kind} has no "
+                                 "reset_parameters(); pass init=, a function of a module that sets it")
+            # The module's whole tensors, marked unwritten, for its initialization to fill.
+            for name, p in params.items():
+                module._parameters[name] = torch.nn.Parameter(_unwritten(p.shape, p.dtype, device), p.requires_grad)
+            for b in buffers.values():
+                b.copy_(_unwritten(b.shape, b.dtype, device))
+            try:
+                reset(module) if init is not None else reset()
+            finally:
+                whole = {name: module._parameters[name] for name in params}
+                module._parameters.update(params)
+            for name, p in params.items():
+                if id(p) in done:
+                    continue  # tied: the first module's draw stays, as when the model is built whole
+                done.add(id(p))
+                _check_written(whole[name], f"{prefix}.{name}".lstrip("."))
+                if is_sharded(p):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    # Every rank drew the same whole tensor: each takes its part, no communication.
+                    p.to_local().copy_(distribute_tensor(whole[name].detach(), p.device_mesh, p.placements,
+                                                         src_data_rank=None).to_local())
+                else:
+                    p.copy_(whole[name])
+            for name, b in buffers.items():
+                _check_written(b, f"{prefix}.{name}".lstrip("."))
+
+
+def _children_first(module: torch.nn.Module, prefix: str = "", seen: set | None = None):
+    """(name, module) of every module under `module`, each after its children: the order
+    their initializations ran in when the model was built (a module's __init__ builds its
+    children, then resets its own tensors), and the order of Module.apply."""
+    seen = set() if seen is None else seen
+    for name, child in module._modules.items():
+        if child is not None and id(child) not in seen:
+            yield from _children_first(child, f"{prefix}.{name}" if prefix else name, seen)
+    seen.add(id(module))
+    yield prefix, module
+
+
+def _ties(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """The (module, name) owners of each parameter that more than one module holds."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    """The module's own class name (fully_shard makes it an instance of FSDP<name>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _unwritten(shape, dtype, device) -> torch.Tensor:
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
+
+
+def _check_written(tensor: torch.Tensor, name: str) -> None:
+    """A meta tensor that initialization left as _unwritten made it (bool: cannot tell)."""
+    if tensor.dtype == torch.bool or tensor.numel() == 0:
+        return
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        left = torch.isnan(tensor).any().item()
+    else:
+        left = (tensor == torch.iinfo(tensor.dtype).min).any().item()
+    if left:
+        raise ValueError(f"shard_model: {name} was built on the meta device and its initialization left it (partly) "
+                         "unset: set it in its module's reset_parameters(), or pass init=a function of a module "
+                         "that sets it")
+
+
+def shard_models(namespace: dict, names: list[str], options: dict | None = None) -> list[str]:
+    """shard_model on the models among `names` that are not sharded yet. Optimizers in the
     namespace that hold a model's parameters are given the sharded ones (an optimizer made
     in the notebook keeps training the model). Returns the names sharded."""
-    from torch.distributed.fsdp import fully_shard
-
     sharded = []
     optimizers = [v for v in namespace.values() if isinstance(v, torch.optim.Optimizer)]
     for name in names:
@@ -213,31 +385,44 @@ def shard_models(namespace: dict, names: list[str]) -> list[str]:
         params = dict(model.named_parameters())
         if not params or any(is_sharded(p) for p in params.values()):
             continue  # nothing to shard, or sharded already (by an earlier cell, or the cell itself)
-        before = {id(p): key for key, p in params.items()}
-        for block in _blocks(model):
-            fully_shard(block)
-        fully_shard(model)
-        after = dict(model.named_parameters())
+        replaced = _shard_keeping_names(model, options or {})
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                group["params"] = [after[before[id(p)]] if id(p) in before else p for p in group["params"]]
-            for old in [p for p in list(optimizer.state) if id(p) in before]:
-                optimizer.state[after[before[id(old)]]] = optimizer.state.pop(old)
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+            for old in [p for p in list(optimizer.state) if id(p) in replaced]:
+                optimizer.state[replaced[id(old)]] = optimizer.state.pop(old)
         sharded.append(name)
     return sharded
 
 
-def full_state_dicts(namespace: dict, names: list[str]) -> dict[str, dict]:
-    """The whole state dicts of the sharded modules among `names`, gathered onto rank 0 (on
-    CPU; empty on the other ranks). A collective: every rank calls it, in the same order."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _shard_keeping_names(model: torch.nn.Module, options: dict) -> dict[int, torch.Tensor]:
+    """shard_model(model), answering {id of an old parameter: the sharded one of its name}."""
+    before = {id(p): key for key, p in model.named_parameters()}
+    shard_model(model, **options)
+    after = dict(model.named_parameters())
+    return {old: after[key] for old, key in before.items()}
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+def whole_tensors_plan(module: torch.nn.Module) -> list[tuple[str, list[int], int, str | None]]:
+    """(key, whole shape, whole size in bytes, the earlier key of the same tensor or None)
+    for each entry of a sharded module's state dict: what the kernel asks for, a chunk at
+    a time, to bring the module back whole (see whole_tensors)."""
+    first: dict[int, str] = {}
+    plan = []
+    for key, t in module.state_dict(keep_vars=True).items():
+        plan.append((key, list(t.shape), t.numel() * t.element_size(), first.get(id(t))))
+        first.setdefault(id(t), key)
+    return plan
+
+
+def whole_tensors(module: torch.nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The whole tensors of `keys` of the module's state dict, on CPU: each sharded one is
+    gathered from every rank (a collective: every rank calls it with the same keys)."""
+    state = module.state_dict(keep_vars=True)
     found = {}
-    for name in names:
-        module = namespace.get(name)
-        if isinstance(module, torch.nn.Module) and any(is_sharded(p) for p in module.parameters()):
-            found[name] = get_model_state_dict(module, options=options)
+    for key in keys:
+        tensor = state[key].detach()
+        found[key] = (tensor.full_tensor() if is_sharded(tensor) else tensor).cpu()
     return found
 
 
@@ -415,6 +600,16 @@ def _install_patches() -> None:
 
     DistributedDataParallel.__init__ = ddp_init
 
+    original_optimizer_init = torch.optim.Optimizer.__init__
+
+    @functools.wraps(original_optimizer_init)
+    def optimizer_init(optimizer, params, *args, **kwargs):
+        if _active is not None and _active.shard is not None:
+            params = _active._sharded_params(params)
+        original_optimizer_init(optimizer, params, *args, **kwargs)
+
+    torch.optim.Optimizer.__init__ = optimizer_init
+
     def before_step(optimizer, args, kwargs):
         return _active._before_step(optimizer, args, kwargs) if _active is not None else None
 
@@ -465,8 +660,10 @@ class AutoMode:
     left afterwards, so nothing of it acts between cells or outside %%distribute.
     """
 
-    def __init__(self, seed: int, namespace: dict | None = None, warn=None):
+    def __init__(self, seed: int, namespace: dict | None = None, warn=None, shard: dict | None = None):
         self.seed = seed
+        # --shard: shard_model's options for the models the cell trains; None: no sharding.
+        self.shard = shard
         self.namespace = namespace if namespace is not None else {}
         self._warned: set[str] = set()
         self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
@@ -534,6 +731,42 @@ class AutoMode:
             self._warn_once("iterable", ITERABLE)
         elif not any(map(_injected, chain)):  # ours, passing through for a wrapper: not its own
             self._warn_once("sampler", OWN_SAMPLER)
+
+    def _sharded_params(self, params) -> list:
+        """--shard: an optimizer is being built over `params`. The cell's models that own
+        them (bound to names in the cell's namespace) are sharded first, as the notebook's
+        were before the cell (a model built on the meta device is materialized then), and
+        the optimizer gets the sharded parameters."""
+        def group(item):
+            if isinstance(item, dict):
+                inner = item["params"]
+                return {**item, "params": [inner] if isinstance(inner, torch.Tensor) else list(inner)}
+            return item
+
+        def tensors(item):
+            if isinstance(item, dict):
+                return [t for entry in item["params"] for t in tensors(entry)]
+            return [item[1]] if isinstance(item, tuple) else [item]  # (name, parameter) pairs too
+
+        if isinstance(params, torch.Tensor):
+            return params  # the optimizer refuses it, in its own words
+        params = [group(item) for item in params]
+        wanted = {id(t) for item in params for t in tensors(item)}
+        replaced: dict[int, torch.Tensor] = {}
+        for value in list(self.namespace.values()):
+            if (isinstance(value, torch.nn.Module) and not isinstance(value, DistributedDataParallel)
+                    and any(id(p) in wanted for p in value.parameters())
+                    and not any(is_sharded(p) for p in value.parameters())):
+                replaced.update(_shard_keeping_names(value, self.shard))
+
+        def swap(item):
+            if isinstance(item, dict):
+                return {**item, "params": [swap(entry) for entry in item["params"]]}
+            if isinstance(item, tuple):
+                return (item[0], replaced.get(id(item[1]), item[1]))
+            return replaced.get(id(item), item)
+
+        return [swap(item) for item in params] if replaced else params
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -644,7 +877,8 @@ def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
 def _named_tensors(namespace: dict, tensors_of) -> dict[str, list]:
     named = {}
     for name, value in namespace.items():
-        tensors = tensors_of(value)
+        # A sharded tensor is each rank's own part (FSDP keeps them consistent), not rank 0's to give.
+        tensors = [(key, t) for key, t in tensors_of(value) if not is_sharded(t)]
         if tensors:
             named[name] = tensors
     return named

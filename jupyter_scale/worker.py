@@ -464,7 +464,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
-    mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
+    mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, shard=request.get("shard"))
+            if auto else nullcontext())
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
     _state.cell_run = request.get("run", "")
     sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)
@@ -486,8 +487,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             received = True
             if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
                 training.resync(_state.namespace)
-            if auto and request.get("shard"):  # --shard: the notebook's models the cell uses, sharded
-                training.shard_models(_state.namespace, request.get("modules", []))
+            if auto and request.get("shard") is not None:  # --shard: the notebook's models the cell uses
+                training.shard_models(_state.namespace, request.get("modules", []), request["shard"])
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")
@@ -531,16 +532,9 @@ def run_cell(request: dict, *frames: Any) -> tuple:
               "elapsed": time.time() - started, "buffers": buffers, "rebound": _rebound(before),
               **_close_events(sink, "finished")}
     out_frames: list = []
-    # A sharded model comes back whole: every rank takes part in gathering it onto rank 0.
-    full_states: dict = {}
-    if _state.group_ready and _state.world_size > 1:
-        try:
-            full_states = training.full_state_dicts(_state.namespace, request.get("modules", []))
-        except Exception:  # another rank failed after the cell, the group is gone: said by name below
-            pass
     if rank == 0:
         tensor_frames: list[bool] = []
-        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames, full_states)
+        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames)
         if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
             _state.frames_out.keep = request["pull_through"]
             try:
@@ -579,15 +573,16 @@ def sync_buffers(names: list[str]) -> None:
     training.broadcast_buffers(_state.namespace, names)
 
 
-def _pack_pulls(request: dict, out_frames: list, tensor_frames: list,
-                full_states: dict | None = None) -> tuple[list, dict]:
+def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict]:
     """Rank 0's module weights and --pull values, as (names, kind, frame count).
 
     Modules travel as state dicts, one each; the --pull values as one dict, so that an
     object two of them hold (a scheduler's optimizer) stays one, and a tensor the
     notebook sent marked as the notebook's (an optimizer's parameters are the notebook
     model's). A name that cannot be packed is reported by name; it never fails the cell.
-    A sharded module's state dict is the whole one gathered before (`full_states`).
+    A sharded module sends only the plan of its state dict: the kernel then asks every
+    rank for its whole tensors a chunk at a time (`whole_tensors`), so that no process
+    ever holds all of it at once.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -614,13 +609,10 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list,
         if not isinstance(value, torch.nn.Module):
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
-        if name in (full_states or {}):
-            frames = packed(full_states[name])
-        elif any(training.is_sharded(p) for p in value.parameters()):
-            errors[name] = "is sharded and could not be gathered (another rank failed)"
+        if any(training.is_sharded(p) for p in value.parameters()):
+            pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
             continue
-        else:
-            frames = packed(value.state_dict())
+        frames = packed(value.state_dict())
         if isinstance(frames, str):
             errors[name] = frames
             continue
@@ -642,6 +634,15 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list,
             tensor_frames.extend(frames[1])
             pulled.append((list(values), "values", len(frames[0])))
     return pulled, errors
+
+
+def whole_tensors(name: str, keys: list[str]) -> tuple:
+    """Whole tensors of the sharded module `name`'s state dict entries `keys`: every rank
+    gathers them, rank 0 answers them (the kernel's pull-back of a sharded model)."""
+    value = training.whole_tensors(_state.namespace[name], keys)
+    if _state.rank != 0:
+        return ({"rank": _state.rank},)
+    return ({"rank": 0}, *shipping.dumps(value, _state.namespace)[0])
 
 
 def gather_value(name: str) -> tuple:

@@ -117,7 +117,7 @@ assert (flat(model) - flat(start)).abs().max().item() > 1e-3, "the notebook's op
 
 def test_shard_with_manual_is_refused_in_one_line(k):
     out = k.cell("%%distribute --shard --manual\nx = 1")
-    assert out.stderr.startswith("UsageError: --shard is automatic mode's; with --manual, call fully_shard"), out.stderr
+    assert out.stderr.startswith("UsageError: --shard is automatic mode's; with --manual, call jupyter_scale.shard_model"), out.stderr
 
 
 def test_a_sharded_checkpoint_of_two_ranks_loads_into_three_and_into_the_notebook(k, tmp_path):
@@ -140,3 +140,124 @@ def test_a_sharded_checkpoint_of_two_ranks_loads_into_three_and_into_the_noteboo
     k.ok(f"local = Tied()\njupyter_scale.load_checkpoint({path!r}, model=local)\n"
          "assert torch.equal(flat(local), flat(trained))")
     k.ok("%scale restart --workers 2", timeout=180)
+
+
+def test_the_pull_back_of_a_sharded_model_comes_in_chunks_and_is_whole(k):
+    # 2 KB chunks: every parameter of Tied is its own request (most are larger than that).
+    k.ok("torch.manual_seed(0)\nstart = Tied()\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
+    k.ok("%%distribute --workers 2" + LOOP, timeout=300)
+    k.ok("unsharded = copy.deepcopy(model)\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)\n"
+         "%config ScaleSession.pull_chunk_bytes = 2000")
+    try:
+        k.ok("%%distribute --workers 2 --shard\n"
+             "import jupyter_scale.worker as w\n"
+             "import jupyter_scale.training as training\n"
+             "calls = []\n"
+             "if not hasattr(training, 'counted'):\n"
+             "    training.counted, original = True, training.whole_tensors\n"
+             "    training.whole_tensors = lambda m, keys: (calls.append(len(keys)), original(m, keys))[1]"
+             + LOOP, timeout=300)
+        k.ok("""
+assert (flat(model) - flat(unsharded)).abs().max().item() <= 1e-5
+assert model.out.weight is model.inp.weight
+for a, b in zip(model.body[1].buffers(), unsharded.body[1].buffers()):
+    assert (a.float() - b.float()).abs().max().item() <= 1e-5
+""")
+        # Rank 0 answered one chunk per request; the tied weight was asked for once.
+        calls = k.value("jupyter_scale.get_session().gather('calls')")
+        assert calls[0] == calls[1] and len(calls[0]) >= 4, calls
+        entries = k.value("len(start.state_dict())")
+        assert sum(calls[0]) == entries - 1, (calls, entries)
+    finally:
+        k.ok("%config ScaleSession.pull_chunk_bytes = 64 << 20")
+        k.ok("%%distribute\nimport jupyter_scale.training as training\n"
+             "if hasattr(training, 'counted'):\n"
+             "    training.whole_tensors = original\n"
+             "    del training.counted", timeout=120)
+
+
+def test_a_model_built_on_the_meta_device_in_the_cell_trains_sharded_as_one_built_whole(k):
+    net_loop = LOOP.replace("model", "net")
+    gather = ("final = {key: value.clone() for key, value in "
+              "training.whole_tensors(net, list(net.state_dict())).items()}\n")
+    k.ok("torch.manual_seed(7)")
+    k.ok("%%distribute --workers 2 --pull final\n"
+         "import jupyter_scale.training as training\n"
+         "net = Tied()\n" + net_loop + gather, timeout=300)
+    k.ok("whole = final\ntorch.manual_seed(7)")
+    # The same cell, the model built on the meta device: nothing allocated, nothing drawn;
+    # --shard shards and materializes it when the optimizer is built over its parameters.
+    k.ok("%%distribute --workers 2 --shard --pull final\n"
+         "import jupyter_scale.training as training\n"
+         "with torch.device('meta'):\n"
+         "    net = Tied()\n"
+         "built_on_meta = all(p.is_meta for p in net.parameters())\n"
+         + net_loop.replace("for x, y in loader:", "sharded = all(training.is_sharded(p) for p in net.parameters())\n"
+                            "for x, y in loader:") + gather, timeout=300)
+    assert k.value("jupyter_scale.get_session().gather('built_on_meta')") == [True, True]
+    assert k.value("jupyter_scale.get_session().gather('sharded')") == [True, True]
+    k.ok("""
+assert 'net' not in dir(), "the kernel never builds the model"
+assert final.keys() == whole.keys()
+for key in whole:
+    assert (final[key].float() - whole[key].float()).abs().max().item() <= 1e-5, key
+""")
+
+
+def test_mixed_precision_trains_and_the_notebook_gets_float32_weights(k):
+    k.ok("torch.manual_seed(0)\nmodel = Tied()\nstart = copy.deepcopy(model)")
+    k.ok("%%distribute --workers 2 --shard --mixed-precision bf16\n"
+         "dtypes = set()\n"
+         "hook = model.head.register_forward_hook(lambda m, i, o: dtypes.add(str(o.dtype)))\n"
+         + LOOP + "hook.remove()\n", timeout=300)
+    assert k.value("jupyter_scale.get_session().gather('dtypes')") == [{"torch.bfloat16"}] * 2
+    k.ok("""
+assert all(p.dtype == torch.float32 for p in model.parameters())
+assert torch.isfinite(flat(model)).all() and (flat(model) - flat(start)).abs().max().item() > 1e-3
+""")
+
+
+def test_shard_options_are_refused_in_one_line_where_they_cannot_work(k):
+    out = k.cell("%%distribute --mixed-precision bf16\nx = 1")
+    assert out.stderr.startswith("UsageError: --mixed-precision and --cpu-offload are options of --shard"), out.stderr
+    out = k.cell("%%distribute --shard --mixed-precision fp8\nx = 1")
+    assert "argument --mixed-precision: invalid choice: 'fp8'" in out.stderr, out.stderr
+    # CPU offload moves shards off an accelerator: these workers have none.
+    k.ok("model = Tied()")  # not sharded yet on the workers
+    out = k.cell("%%distribute --workers 2 --shard --cpu-offload\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
+    assert "offload=True keeps the shards in CPU memory between uses on an accelerator" in out.stderr + str(out.error)
+    k.ok("%%distribute --workers 2\nx = 1")  # and the cluster is usable
+
+
+def test_shard_model_outside_a_cell_only_materializes_a_meta_model(k):
+    k.ok("""
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(4, 16))
+        self.mix = nn.Linear(16, 16)
+
+torch.manual_seed(3)
+built = Tied()
+torch.manual_seed(3)
+with torch.device("meta"):
+    later = Tied()
+assert jupyter_scale.shard_model(later) is later
+assert later.out.weight is later.inp.weight
+assert torch.equal(flat(later), flat(built))
+for a, b in zip(later.buffers(), built.buffers()):
+    assert torch.equal(a, b)
+with torch.device("meta"):
+    positions = Positions()
+try:
+    jupyter_scale.shard_model(positions)
+except ValueError as exc:
+    message = str(exc)
+else:
+    raise AssertionError("no error")
+assert message.startswith("shard_model: table (Positions) was built on the meta device and nothing initializes it"), message
+with torch.device("meta"):
+    positions = Positions()
+jupyter_scale.shard_model(positions, init=lambda m: nn.init.zeros_(m.table) if isinstance(m, Positions) else m.reset_parameters())
+assert torch.equal(positions.table, torch.zeros(4, 16))
+""")
