@@ -909,6 +909,14 @@ class Receiver:
             at += 1
         return values
 
+    def replace(self, replaced: dict[int, torch.Tensor]) -> None:
+        """Tensors received here were replaced (sharded: `replaced` maps the id of each old
+        one to its new one): the tokens stand for the new ones, and the old, whole ones are
+        freed. The notebook's later in-place changes are written into the new ones."""
+        for token, tensor in self.tensors.items():
+            if id(tensor) in replaced:
+                self.tensors[token] = replaced[id(tensor)]
+
     def _resolve(self, pid):
         if pid[0] == "ns":
             return self.namespace
@@ -953,6 +961,17 @@ def _rewrap_scheduled_step(value: Any) -> None:
 
 def _write_into(held: torch.Tensor, meta: tuple, buffer) -> torch.Tensor:
     """`held` with the bytes of `buffer`: the same object, so everything holding it sees them."""
+    if type(held).__name__ == "DTensor":  # sharded since it was received: this rank's part of the new value
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = _build_tensor(meta, buffer, held.device)
+        if tuple(whole.shape) != tuple(held.shape):
+            raise RuntimeError(f"a sharded tensor of shape {tuple(held.shape)} cannot take a new value of shape "
+                               f"{tuple(whole.shape)}; %scale restart starts afresh")
+        with torch.no_grad():
+            held.to_local().copy_(distribute_tensor(whole.detach(), held.device_mesh, held.placements,
+                                                    src_data_rank=None).to_local())
+        return held
     if _copy_into(held, meta, buffer):
         return held
     fresh = _build_tensor(meta, buffer, held.device)

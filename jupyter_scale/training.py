@@ -372,10 +372,11 @@ def _check_written(tensor: torch.Tensor, name: str) -> None:
                          "that sets it")
 
 
-def shard_models(namespace: dict, names: list[str], options: dict | None = None) -> list[str]:
+def shard_models(namespace: dict, names: list[str], options: dict | None = None, replaced=None) -> list[str]:
     """shard_model on the models among `names` that are not sharded yet. Optimizers in the
     namespace that hold a model's parameters are given the sharded ones (an optimizer made
-    in the notebook keeps training the model). Returns the names sharded."""
+    in the notebook keeps training the model). `replaced`, when given, is called with
+    {id of an old parameter: its sharded one}. Returns the names sharded."""
     sharded = []
     optimizers = [v for v in namespace.values() if isinstance(v, torch.optim.Optimizer)]
     for name in names:
@@ -385,12 +386,14 @@ def shard_models(namespace: dict, names: list[str], options: dict | None = None)
         params = dict(model.named_parameters())
         if not params or any(is_sharded(p) for p in params.values()):
             continue  # nothing to shard, or sharded already (by an earlier cell, or the cell itself)
-        replaced = _shard_keeping_names(model, options or {})
+        new = _shard_keeping_names(model, options or {})
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-            for old in [p for p in list(optimizer.state) if id(p) in replaced]:
-                optimizer.state[replaced[id(old)]] = optimizer.state.pop(old)
+                group["params"] = [new.get(id(p), p) for p in group["params"]]
+            for old in [p for p in list(optimizer.state) if id(p) in new]:
+                optimizer.state[new[id(old)]] = optimizer.state.pop(old)
+        if replaced is not None:
+            replaced(new)
         sharded.append(name)
     return sharded
 
@@ -660,10 +663,12 @@ class AutoMode:
     left afterwards, so nothing of it acts between cells or outside %%distribute.
     """
 
-    def __init__(self, seed: int, namespace: dict | None = None, warn=None, shard: dict | None = None):
+    def __init__(self, seed: int, namespace: dict | None = None, warn=None, shard: dict | None = None,
+                 replaced=None):
         self.seed = seed
         # --shard: shard_model's options for the models the cell trains; None: no sharding.
         self.shard = shard
+        self._replaced = replaced  # told {id of an old parameter: its sharded one}
         self.namespace = namespace if namespace is not None else {}
         self._warned: set[str] = set()
         self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
@@ -758,6 +763,8 @@ class AutoMode:
                     and any(id(p) in wanted for p in value.parameters())
                     and not any(is_sharded(p) for p in value.parameters())):
                 replaced.update(_shard_keeping_names(value, self.shard))
+        if replaced and self._replaced is not None:
+            self._replaced(replaced)
 
         def swap(item):
             if isinstance(item, dict):

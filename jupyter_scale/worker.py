@@ -464,8 +464,10 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
-    mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, shard=request.get("shard"))
-            if auto else nullcontext())
+    # A model sharded here keeps the notebook's tokens of its parameters: their whole
+    # tensors are freed, and the notebook's later changes reach the shards.
+    mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, shard=request.get("shard"),
+                              replaced=_state.receiver.replace) if auto else nullcontext())
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
     _state.cell_run = request.get("run", "")
     sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)
@@ -488,7 +490,8 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
                 training.resync(_state.namespace)
             if auto and request.get("shard") is not None:  # --shard: the notebook's models the cell uses
-                training.shard_models(_state.namespace, request.get("modules", []), request["shard"])
+                training.shard_models(_state.namespace, request.get("modules", []), request["shard"],
+                                      _state.receiver.replace)
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")

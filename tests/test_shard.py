@@ -261,3 +261,28 @@ with torch.device("meta"):
 jupyter_scale.shard_model(positions, init=lambda m: nn.init.zeros_(m.table) if isinstance(m, Positions) else m.reset_parameters())
 assert torch.equal(positions.table, torch.zeros(4, 16))
 """)
+
+
+def test_a_sharded_model_frees_its_whole_copy_and_takes_the_notebooks_later_changes(k):
+    # Shapes no other test's model has: what the workers still hold of it is countable.
+    k.ok("torch.manual_seed(0)\nwide = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 4))\n"
+         "torch.manual_seed(7)")
+    k.ok("%%distribute --workers 2 --shard" + LOOP.replace("model", "wide"), timeout=300)
+    # Each rank holds its shard of every parameter and no whole copy of any: the tensors
+    # kept for the notebook's later changes are the shards.
+    k.ok("%%distribute\n"
+         "import jupyter_scale.worker as w\n"
+         "import jupyter_scale.training as training\n"
+         "shapes = [(24, 16), (24,), (4, 24)]  # (4,) is also a bias of Tied\n"
+         "held = list(w._state.receiver.tensors.values())\n"
+         "whole_left = sum(1 for t in held if not training.is_sharded(t) and tuple(t.shape) in shapes)\n"
+         "held_shards = sum(1 for t in held if any(t is p for p in wide.parameters()))\n", timeout=120)
+    assert k.value("jupyter_scale.get_session().gather('whole_left')") == [0, 0]
+    assert k.value("jupyter_scale.get_session().gather('held_shards')") == [4, 4]
+    # A change in the notebook reaches the workers' shards (written in place, rank by rank).
+    k.ok("with torch.no_grad():\n    wide[2].weight.fill_(0.5)")
+    k.ok("%%distribute\nhead = wide[2].weight.full_tensor()\nstill_sharded = training.is_sharded(wide[2].weight)",
+         timeout=120)
+    k.ok("heads = jupyter_scale.get_session().gather('head')\n"
+         "assert all(torch.equal(h, torch.full((4, 24), 0.5)) for h in heads)")
+    assert k.value("jupyter_scale.get_session().gather('still_sharded')") == [True, True]
