@@ -17,6 +17,8 @@ the path must be on a file system every host sees.
 from __future__ import annotations
 
 import os
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -38,6 +40,16 @@ def _pairs(objects: dict) -> tuple[dict, dict]:
     return modules, optimizers
 
 
+@contextmanager
+def _quiet_outside_a_group():
+    """Without a process group torch.distributed.checkpoint warns that it assumes one
+    process: in the notebook, that is the point."""
+    with warnings.catch_warnings():
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _state(objects: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -52,7 +64,8 @@ def save_checkpoint(path: str | os.PathLike, **objects) -> None:
     %%distribute cell every rank calls it (a collective) and writes its own shards."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(objects), checkpoint_id=os.fspath(path))
+    with _quiet_outside_a_group():
+        dcp.save(_state(objects), checkpoint_id=os.fspath(path))
 
 
 def load_checkpoint(path: str | os.PathLike, **objects) -> None:
@@ -64,7 +77,8 @@ def load_checkpoint(path: str | os.PathLike, **objects) -> None:
 
     modules, optimizers = _pairs(objects)
     state = _state(objects)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    with _quiet_outside_a_group():
+        dcp.load(state, checkpoint_id=os.fspath(path))
     for name, module in modules.items():
         set_model_state_dict(module, state[name])
     for name, (optimizer, owner) in optimizers.items():

@@ -184,22 +184,30 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def _blocks(model: torch.nn.Module, policy=None) -> list[torch.nn.Module]:
-    """The units to shard one by one, deepest first. By default the members of every
-    nn.Sequential and nn.ModuleList in the model (a transformer's layers, a Sequential's
-    layers) that hold parameters of their own; `policy` (module -> bool, or a tuple of
-    module classes) picks them instead. The model itself takes what is left."""
+    """The units to shard one by one, deepest first. By default the members (holding
+    parameters) of the outermost nn.Sequentials and nn.ModuleLists in the model: a
+    transformer's layers, a Sequential's layers, not the layers inside a transformer layer
+    (units that small cost a gather each and save nothing). `policy` (module -> bool, or
+    a tuple of module classes) picks them instead. The model itself takes what is left."""
     if policy is None:
-        found = []
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
-                found.extend(child for child in module.children()
-                             if not isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))
-                             and any(True for _ in child.parameters()))
+        found = _outermost_members(model)
     else:
         picks = (lambda m: isinstance(m, policy)) if isinstance(policy, (type, tuple)) else policy
         found = [m for m in model.modules() if m is not model and picks(m) and any(True for _ in m.parameters())]
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     return sorted(found, key=lambda m: -depth.get(id(m), 0))
+
+
+def _outermost_members(module: torch.nn.Module) -> list[torch.nn.Module]:
+    containers = (torch.nn.Sequential, torch.nn.ModuleList)
+    found = []
+    for child in module.children():
+        if isinstance(module, containers) and not isinstance(child, containers):
+            if any(True for _ in child.parameters()):
+                found.append(child)  # a unit: not looked into
+        else:
+            found.extend(_outermost_members(child))
+    return found
 
 
 PRECISIONS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
