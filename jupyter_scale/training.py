@@ -298,10 +298,13 @@ def _materialize(model: torch.nn.Module, init=None) -> None:
             named = [f"{prefix}.{n}".lstrip(".") for n in [*params, *buffers]]
             reset = init or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
             if reset is None:
-                kind = _class_name(module)
-                raise ValueError(f"shard_model: {', '.join(named)} ({kind}) {'was' if len(named) == 1 else 'were'} "
-                                 f"built on the meta device and nothing initializes it: {kind} has no "
-                                 "reset_parameters(); pass init=, a function of a module that sets it")
+                kind, one = _class_name(module), len(named) == 1
+                # A transformers model initializes every module with its own _init_weights.
+                hint = "init=model._init_weights" if hasattr(model, "_init_weights") else \
+                    "init=, a function of a module that sets " + ("it" if one else "them")
+                raise ValueError(f"shard_model: {', '.join(named)} ({kind}) {'was' if one else 'were'} built on "
+                                 f"the meta device and nothing initializes {'it' if one else 'them'}: {kind} has no "
+                                 f"reset_parameters(); pass {hint}")
             # The module's whole tensors, marked unwritten, for its initialization to fill.
             for name, p in params.items():
                 module._parameters[name] = torch.nn.Parameter(_unwritten(p.shape, p.dtype, device), p.requires_grad)

@@ -286,3 +286,41 @@ def test_a_sharded_model_frees_its_whole_copy_and_takes_the_notebooks_later_chan
     k.ok("heads = jupyter_scale.get_session().gather('head')\n"
          "assert all(torch.equal(h, torch.full((4, 24), 0.5)) for h in heads)")
     assert k.value("jupyter_scale.get_session().gather('still_sharded')") == [True, True]
+
+
+def test_a_transformers_model_built_on_the_meta_device_trains_sharded(k):
+    # Someone else's model: a small GPT-2 from a config, built where it trains, initialized
+    # by its own _init_weights (its Conv1D layers have no reset_parameters).
+    k.ok("from transformers import GPT2Config, GPT2LMHeadModel\n"
+         "config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=32)\n"
+         "g = torch.Generator().manual_seed(0)\n"
+         "tokens = TensorDataset(torch.randint(0, 96, (256, 1), generator=g).repeat(1, 32) // 1)\n"
+         "torch.manual_seed(7)")
+    out = k.cell("%%distribute --workers 2 --shard\n"
+                 "with torch.device('meta'):\n"
+                 "    gpt = GPT2LMHeadModel(config)\n"
+                 "jupyter_scale.shard_model(gpt)\n")
+    assert "pass init=model._init_weights" in out.stderr + str(out.error), out.stderr
+    k.ok("torch.manual_seed(7)")
+    k.ok("%%distribute --workers 2 --shard\n"
+         "with torch.device('meta'):\n"
+         "    gpt = GPT2LMHeadModel(config)\n"
+         "jupyter_scale.shard_model(gpt, init=gpt._init_weights)\n"
+         "import jupyter_scale.training as training\n"
+         "opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2)\n"
+         "losses = []\n"
+         "for epoch in range(2):\n"
+         "    for (x,) in DataLoader(tokens, batch_size=16, shuffle=True):\n"
+         "        opt.zero_grad()\n"
+         "        loss = gpt(input_ids=x, labels=x).loss\n"
+         "        loss.backward()\n"
+         "        opt.step()\n"
+         "        losses.append(loss.item())\n"
+         "sharded = all(training.is_sharded(p) for p in gpt.parameters())\n"
+         "whole = training.whole_tensors(gpt, ['transformer.wte.weight'])['transformer.wte.weight']\n", timeout=300)
+    k.ok("session = jupyter_scale.get_session()\n"
+         "losses = session.gather('losses')\n"
+         "assert len(losses[0]) == 16 and sum(losses[0][-4:]) < 0.5 * sum(losses[0][:4]), losses[0]\n"
+         "assert session.gather('sharded') == [True, True]\n"
+         "first, second = session.gather('whole')\n"
+         "assert torch.equal(first, second) and torch.isfinite(first).all()")
