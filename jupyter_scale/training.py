@@ -257,6 +257,8 @@ def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, of
     if dist.is_available() and dist.is_initialized() and not any(is_sharded(p) for p in model.parameters()):
         from torch.distributed.fsdp import fully_shard
 
+        _give_back_freed_blocks()
+
         units = _blocks(model, blocks)
         if "mp_policy" in options:
             # BatchNorm keeps float32 running statistics, which a lower-precision forward
@@ -272,6 +274,31 @@ def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, of
         fully_shard(model, **options)
     _materialize(model, init)
     return model
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_threshold_fixed = False
+
+
+def _give_back_freed_blocks() -> None:
+    """Make this process's allocator return large freed blocks to the system at once.
+
+    glibc's malloc serves large blocks with mmap, and frees them with munmap, until one is
+    freed: then it raises that threshold (up to 32 MiB), and the blocks FSDP gathers and
+    frees at every step come from the heap, which keeps them. Measured on CPU workers, each
+    sharded rank then grew by 1.7 GB in three steps, more than the unsharded process: the
+    memory sharding saves was never given back. A fixed threshold keeps glibc from raising
+    it. Process-wide, once; a no-op with another C library."""
+    global _threshold_fixed
+    if _threshold_fixed:
+        return
+    _threshold_fixed = True
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _materialize(model: torch.nn.Module, init=None) -> None:
