@@ -288,7 +288,10 @@ def _give_back_freed_blocks() -> None:
     frees at every step come from the heap, which keeps them. Measured on CPU workers, each
     sharded rank then grew by 1.7 GB in three steps, more than the unsharded process: the
     memory sharding saves was never given back. A fixed threshold keeps glibc from raising
-    it. Process-wide, once; a no-op with another C library."""
+    it. At 4 MiB: a sharding unit's gathered weights (a layer of 1024 x 1024 and up) are
+    given back, smaller blocks are still reused from the heap (1 MiB cost half the steps/s
+    for little more memory: benchmarks/README.md). Process-wide, once; a no-op with another
+    C library."""
     global _threshold_fixed
     if _threshold_fixed:
         return
@@ -296,7 +299,7 @@ def _give_back_freed_blocks() -> None:
     try:
         import ctypes
 
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 4 << 20)
     except (OSError, AttributeError):  # not glibc
         pass
 
