@@ -416,23 +416,29 @@ class _Descendants:
         except psutil.Error:
             pass
 
-    def reap(self, grace: float = 15.0) -> None:
+    def reap(self, grace: float = 15.0) -> list[str]:
+        """Kill (by pid) what outlived the kernel by `grace` s; says what it was."""
         alive = [p for p in self.seen.values() if p.is_running()]  # is_running checks the create time too
         _, alive = psutil.wait_procs(alive, timeout=grace)
+        killed = []
         for p in alive:
             try:
-                print(f"compare.py: killing pid {p.pid} left behind by a kernel: {' '.join(p.cmdline())[:200]}",
-                      file=sys.stderr, flush=True)
+                killed.append(f"pid {p.pid} {' '.join(p.cmdline())[:200]}")
+                print(f"compare.py: killing {killed[-1]}, left behind by a kernel", file=sys.stderr, flush=True)
                 p.kill()
             except psutil.Error:
                 pass
+        psutil.wait_procs(alive, timeout=5)
+        return killed
 
 
-def run_cells(cells: list[str], timeout: float = 900) -> tuple[nbformat.NotebookNode, str]:
+def run_cells(cells: list[str], timeout: float = 900, env: dict | None = None,
+              left: list | None = None) -> tuple[nbformat.NotebookNode, str]:
     """Run `cells` and then CLEANUP (always) in a fresh kernel; the notebook and all its output text.
 
     Raises nbclient's CellExecutionError when a cell fails. Processes the kernel started
-    and left behind are killed once the kernel is gone.
+    and left behind are killed once the kernel is gone (and said in `left`, when given).
+    `env`: the kernel's environment (its workers inherit it; default: this process's).
     """
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c.strip("\n")) for c in [*cells, CLEANUP]]
@@ -441,7 +447,7 @@ def run_cells(cells: list[str], timeout: float = 900) -> tuple[nbformat.Notebook
                             resources={"metadata": {"path": tempfile.gettempdir()}})
     descendants = None
     try:
-        with client.setup_kernel():
+        with client.setup_kernel(**({"env": env} if env is not None else {})):
             descendants = _Descendants(client.km.provisioner.pid)
             try:
                 for index, cell in enumerate(nb.cells[:-1]):
@@ -455,7 +461,9 @@ def run_cells(cells: list[str], timeout: float = 900) -> tuple[nbformat.Notebook
                     print(f"compare.py: the cleanup cell failed: {exc}", file=sys.stderr, flush=True)
     finally:
         if descendants is not None:
-            descendants.reap()
+            killed = descendants.reap()
+            if left is not None:
+                left.extend(killed)
     # Streams, and display data too: %%px shows each engine's stdout as display_data.
     text = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
                    for c in nb.cells for o in c.get("outputs", []))

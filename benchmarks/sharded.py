@@ -64,19 +64,16 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
-import nbformat
 import psutil
-from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compare import (  # noqa: E402  benchmarks/, the script's own folder
-    CLEANUP, _Descendants, bench_records, fmt, median, print_table, progress, ratio, save_results, spread,
+    bench_records, fmt, median, run_cells, print_table, progress, ratio, save_results, spread,
 )
 
 # name -> (the flags on the %%distribute line, environment for the kernel and so its workers)
@@ -208,53 +205,14 @@ def cells(args, workers: int, flags: str) -> list[str]:
     return [setup, line + "\n" + IDLE, line + "\n" + TRAIN, line + "\n" + AFTER]
 
 
-def run_notebook(cells: list[str], timeout: float, env: dict | None = None) -> tuple[str, list[str]]:
-    """compare.run_cells, but what the kernel left behind is reported, not only reaped: the
-    notebook's output text, and the processes that outlived the kernel by 15 s (stopped now,
-    by pid). `env`: the kernel's environment (its workers inherit it; default: this process's). Raises
-    nbclient's CellExecutionError when a cell fails."""
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c.strip("\n")) for c in [*cells, CLEANUP]]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    # timeout: each cell's deadline; startup_timeout: the kernel's.
-    client = NotebookClient(nb, timeout=timeout, startup_timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": tempfile.gettempdir()}})
-    descendants = None
-    left: list[str] = []
-    try:
-        with client.setup_kernel(env=env if env is not None else dict(os.environ)):
-            descendants = _Descendants(client.km.provisioner.pid)
-            try:
-                for index, cell in enumerate(nb.cells[:-1]):
-                    client.execute_cell(cell, index)
-                    descendants.look()
-            finally:
-                descendants.look()
-                try:
-                    client.execute_cell(nb.cells[-1], len(nb.cells) - 1)  # %scale stop, always
-                except Exception as exc:  # reported; the first failure is the one raised
-                    progress(f"sharded.py: the cleanup cell failed: {exc}")
-    finally:
-        if descendants is not None:
-            alive = [p for p in descendants.seen.values() if p.is_running()]
-            _, alive = psutil.wait_procs(alive, timeout=15)
-            for p in alive:
-                with contextlib.suppress(psutil.Error):
-                    left.append(f"pid {p.pid} {' '.join(p.cmdline())[:160]}")
-                    p.kill()
-            psutil.wait_procs(alive, timeout=5)
-    text = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
-                   for c in nb.cells for o in c.get("outputs", []))
-    return text, left
-
-
 def run_once(args, workers: int, mode: str) -> dict:
     """One configuration in a fresh kernel: per rank, its idle / train / after records."""
     t0 = time.monotonic()
     flags, env = MODES[mode]
     # Only the mode's own allocator setting: none from this script's environment.
     full_env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env
-    text, left = run_notebook(cells(args, workers, flags), args.timeout + 60, full_env)
+    left: list[str] = []  # what outlived the kernel: stopped by pid, and fails the run
+    _, text = run_cells(cells(args, workers, flags), args.timeout + 60, full_env, left)
     seconds = time.monotonic() - t0
     records = bench_records(text)
     ranks: dict[int, dict] = {}
