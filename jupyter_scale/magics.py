@@ -134,6 +134,9 @@ class ScaleMagics(Magics):
                    "the meta device is materialized shard by shard")
     @argument("--mixed-precision", choices=sorted(training.PRECISIONS), default=None,
               help="with --shard: compute in this dtype, reduce gradients in float32 (FSDP2's MixedPrecisionPolicy)")
+    @argument("--keep-sharded", action="store_true",
+              help="leave sharded models on the workers: the notebook's model is not updated (save a checkpoint "
+                   "with jupyter_scale.save_checkpoint instead)")
     @argument("--cpu-offload", action="store_true",
               help="with --shard: keep the shards in CPU memory between uses (FSDP2's CPUOffloadPolicy; GPUs only)")
     @_launcher_arguments
@@ -193,7 +196,7 @@ class ScaleMagics(Magics):
         self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
                          steps=args.steps, launcher=launcher, launcher_options=options,
-                         shard=(shard or True) if args.shard else False)
+                         shard=(shard or True) if args.shard else False, keep_sharded=args.keep_sharded)
 
     def _check_launch(self, launcher: str | None, options: dict) -> None:
         """Launcher options describe a new cluster: with one running, they must be its own."""

@@ -599,7 +599,8 @@ class ScaleSession(LoggingConfigurable):
     # ------------------------------------------------------------------------------
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
             timeout: float | None = None, manual: bool = False, steps: int | None = None,
-            launcher: str | None = None, launcher_options: dict | None = None, shard: bool | dict = False) -> RunRecord:
+            launcher: str | None = None, launcher_options: dict | None = None, shard: bool | dict = False,
+            keep_sharded: bool = False) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
@@ -608,7 +609,8 @@ class ScaleSession(LoggingConfigurable):
         `shard=True` (automatic mode): the models the cell trains are sharded across the ranks
         with FSDP2 (`jupyter_scale.shard_model`): the notebook's before the cell runs, the
         cell's own when an optimizer is built over their parameters; a dict gives
-        shard_model's options (`mixed_precision`, `offload`, `blocks`, `init`).
+        shard_model's options (`mixed_precision`, `offload`, `blocks`, `init`). `keep_sharded`:
+        sharded models stay on the workers, not copied back into the notebook's.
         """
         if shard and manual:
             raise ValueError("shard is automatic mode's; with manual, call jupyter_scale.shard_model in the cell")
@@ -641,6 +643,7 @@ class ScaleSession(LoggingConfigurable):
             "filename": f"<distribute-cell-{record.index}>",
             "modules": modules,
             "pull": pull,
+            "keep_sharded": keep_sharded,
             "auto": not manual,
             "shard": (dict(shard) if isinstance(shard, dict) else {}) if shard else None,
             "events": events.address,
@@ -1086,7 +1089,14 @@ class ScaleSession(LoggingConfigurable):
     def _apply_pulls(self, header: dict, frames: tuple, record: RunRecord) -> None:
         at = 0
         held = None
+        kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
+        if kept:
+            print(f"jupyter_scale: {_listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "
+                  "(--keep-sharded); the notebook's holds the weights from before the cell", file=sys.stderr,
+                  flush=True)
         for names, kind, count in header.get("pulled", []):
+            if kind == "kept":
+                continue
             if kind == "sharded":
                 stream = buffers = None
             else:

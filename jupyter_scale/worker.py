@@ -613,7 +613,10 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
         if any(training.is_sharded(p) for p in value.parameters()):
-            pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
+            if request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was
+                pulled.append(([name], "kept", 0))
+            else:
+                pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
             continue
         frames = packed(value.state_dict())
         if isinstance(frames, str):

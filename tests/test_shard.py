@@ -331,3 +331,16 @@ def test_a_transformers_model_built_on_the_meta_device_trains_sharded(k):
          "assert session.gather('sharded') == [True, True]\n"
          "first, second = session.gather('whole')\n"
          "assert torch.equal(first, second) and torch.isfinite(first).all()")
+
+
+def test_keep_sharded_leaves_the_trained_model_on_the_workers(k):
+    k.ok("torch.manual_seed(0)\nmodel = Tied()\nstart = copy.deepcopy(model)\ntorch.manual_seed(7)")
+    out = k.ok("%%distribute --workers 2 --shard --keep-sharded" + LOOP +
+               "trained_head = model.head.weight.full_tensor()\n", timeout=300)
+    assert "'model' stays sharded on the workers (--keep-sharded)" in out.stderr, out.stderr
+    k.ok("assert torch.equal(flat(model), flat(start)), 'the notebook kept its weights'")
+    # The workers train on from their model; a cell without the option brings it back.
+    k.ok("%%distribute\nsame = torch.equal(model.head.weight.full_tensor(), trained_head)", timeout=120)
+    assert k.value("jupyter_scale.get_session().gather('same')") == [True, True]
+    k.ok("trained = jupyter_scale.get_session().gather('trained_head')[0]\n"
+         "assert torch.equal(model.head.weight, trained) and not torch.equal(trained, start.head.weight)")
