@@ -194,8 +194,13 @@ def _blocks(model: torch.nn.Module, policy=None) -> list[torch.nn.Module]:
     else:
         picks = (lambda m: isinstance(m, policy)) if isinstance(policy, (type, tuple)) else policy
         found = [m for m in model.modules() if m is not model and picks(m) and any(True for _ in m.parameters())]
+    return _deepest_first(model, found)
+
+
+def _deepest_first(model: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """fully_shard takes a module's units before the module's own."""
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
-    return sorted(found, key=lambda m: -depth.get(id(m), 0))
+    return sorted(units, key=lambda m: -depth.get(id(m), 0))
 
 
 def _outermost_members(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -243,12 +248,13 @@ def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, of
 
     A model built under `torch.device("meta")` (no memory, no initialization) is
     materialized here, one module at a time: every rank initializes that module's whole
-    tensors with its `reset_parameters()` (or `init(module)`) and keeps its shard, so no
-    process ever holds the whole model, and with the same seed the weights are those of
-    the model built normally (initialization replayed module by module, in order).
+    tensors with its `reset_parameters()` (or `init(module)`), children before their
+    parent as when the model was built (and as Module.apply), and keeps its shard, so no
+    process ever holds the whole model; with the same seed the weights are those of the
+    model built whole when its modules initialize their own tensors (torch's layers do).
 
     `blocks`: which submodules are sharding units (module -> bool, or module classes);
-    by default the members of every nn.Sequential and nn.ModuleList. `mixed_precision`:
+    by default the members of the outermost nn.Sequentials and nn.ModuleLists. `mixed_precision`:
     "bf16"/"fp16" (compute in it, reduce gradients in float32) or a MixedPrecisionPolicy.
     `offload=True`: FSDP2's CPUOffloadPolicy (accelerators only). Outside a process group
     (the cell run without %%distribute) the model is only materialized.
@@ -262,12 +268,14 @@ def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, of
         units = _blocks(model, blocks)
         if "mp_policy" in options:
             # BatchNorm keeps float32 running statistics, which a lower-precision forward
-            # cannot use: it computes in float32 (its unit casts its input), as under autocast.
+            # cannot use: it computes in float32 in a unit of its own (which casts its input),
+            # as under autocast, and hands its neighbours the lower precision they compute in.
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-            units += [m for m in norms if m not in units and m is not model]
-            full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            units = _deepest_first(model, units + [m for m in norms if m not in units and m is not model])
+            full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                        output_dtype=options["mp_policy"].param_dtype)
         for unit in units:
             norm = "mp_policy" in options and isinstance(unit, torch.nn.modules.batchnorm._BatchNorm)
             fully_shard(unit, **{**options, "mp_policy": full} if norm else options)

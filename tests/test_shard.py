@@ -344,3 +344,20 @@ def test_keep_sharded_leaves_the_trained_model_on_the_workers(k):
     assert k.value("jupyter_scale.get_session().gather('same')") == [True, True]
     k.ok("trained = jupyter_scale.get_session().gather('trained_head')[0]\n"
          "assert torch.equal(model.head.weight, trained) and not torch.equal(trained, start.head.weight)")
+
+
+def test_mixed_precision_with_batchnorm_inside_a_sharding_unit(k):
+    # BatchNorm computes in float32 in a unit of its own, sharded before the block holding it.
+    k.ok("class Blocked(nn.Module):\n"
+         "    def __init__(self):\n"
+         "        super().__init__()\n"
+         "        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())\n"
+         "                                     for _ in range(2)])\n"
+         "        self.head = nn.Linear(16, 4)\n"
+         "    def forward(self, x):\n"
+         "        for block in self.blocks:\n"
+         "            x = block(x)\n"
+         "        return self.head(x)\n"
+         "torch.manual_seed(0)\nmodel = Blocked()\nstart = copy.deepcopy(model)")
+    k.ok("%%distribute --workers 2 --shard --mixed-precision bf16" + LOOP, timeout=300)
+    k.ok("assert torch.isfinite(flat(model)).all() and (flat(model) - flat(start)).abs().max().item() > 1e-3")
