@@ -645,7 +645,7 @@ class ScaleSession(LoggingConfigurable):
             "pull": pull,
             "keep_sharded": keep_sharded,
             "auto": not manual,
-            "shard": (dict(shard) if isinstance(shard, dict) else {}) if shard else None,
+            "shard": None if shard is False or shard is None else dict(shard) if isinstance(shard, dict) else {},
             "events": events.address,
             # Signs the workers' batches: the event port is open to every local user, the
             # engine's channel that carries this request is not.
@@ -1136,14 +1136,14 @@ class ScaleSession(LoggingConfigurable):
         place. Neither the kernel nor any rank holds a second whole copy of the model."""
         module = self.namespace[name]
         targets = module.state_dict(keep_vars=True)
-        wanted = {key: shape for key, shape, _, _ in plan}
-        mismatched = sorted(k for k in wanted.keys() | targets.keys()
-                            if k not in wanted or k not in targets or list(targets[k].shape) != wanted[k])
+        wanted = {key: (shape, dtype) for key, shape, dtype, _, _ in plan}
+        mismatched = sorted(k for k in wanted.keys() | targets.keys() if k not in wanted or k not in targets
+                            or (list(targets[k].shape), str(targets[k].dtype)) != wanted[k])
         if mismatched:  # checked before anything is written: all or nothing
             raise ValueError(f"the notebook's {name} and the workers' differ at {_listed(mismatched[:5])}")
         chunks: list[list[str]] = [[]]
         size = 0
-        for key, _, nbytes, alias in plan:
+        for key, _, _, nbytes, alias in plan:
             if alias is not None:
                 continue  # tied to an earlier key: the same tensor
             if chunks[-1] and size + nbytes > self.pull_chunk_bytes:
@@ -1159,7 +1159,7 @@ class ScaleSession(LoggingConfigurable):
             except BaseException as exc:
                 self._stop_abandoned(job)
                 self._group_ready, self._resync = False, True
-                raise RuntimeError(f"{exc}; {written} of {len(plan)} of its tensors were written: the notebook's "
+                raise RuntimeError(f"{exc}; {written} of {sum(len(c) for c in chunks)} of its tensors were written: the notebook's "
                                    f"{name} is partly updated (the workers still hold the trained model)") from None
             finally:
                 job.release()
@@ -1170,7 +1170,7 @@ class ScaleSession(LoggingConfigurable):
             written += len(keys)
             del values, answers
         with torch.no_grad():
-            for key, _, _, alias in plan:  # tied on the workers: tied in the notebook too, or copied
+            for key, _, _, _, alias in plan:  # tied on the workers: tied in the notebook too, or copied
                 if alias is not None and targets[key] is not targets[alias]:
                     targets[key].copy_(targets[alias])
 

@@ -183,6 +183,33 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """A model FSDP2 manages (in whole or in part). Its parameters tell it only between
+    passes: after a forward without backward (an evaluation) the outermost unit holds
+    whole ones until it is resharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def reshard(namespace: dict) -> None:
+    """Every FSDP2 model of the namespace back to its shards (local, no collective): at the
+    end of a cell, so that every rank holds and hands back the same kind of tensors."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    seen: set[int] = set()
+    for value in list(namespace.values()):
+        if isinstance(value, torch.nn.Module):
+            for module in value.modules():
+                if isinstance(module, FSDPModule) and id(module) not in seen:
+                    seen.add(id(module))
+                    module.reshard()
+
+
 def _blocks(model: torch.nn.Module, policy=None) -> list[torch.nn.Module]:
     """The units to shard one by one, deepest first. By default the members (holding
     parameters) of the outermost nn.Sequentials and nn.ModuleLists in the model: a
@@ -194,7 +221,15 @@ def _blocks(model: torch.nn.Module, policy=None) -> list[torch.nn.Module]:
     else:
         picks = (lambda m: isinstance(m, policy)) if isinstance(policy, (type, tuple)) else policy
         found = [m for m in model.modules() if m is not model and picks(m) and any(True for _ in m.parameters())]
-    return _deepest_first(model, found)
+    # A parameter tied across a unit's edge (an output layer sharing the embedding's weight)
+    # must live in one unit: such units are left to the model's.
+    ties = _ties(model)
+
+    def tied_across(unit):
+        inside = {id(m) for m in unit.modules()}
+        return any(len({id(m) in inside for m, _ in owners}) > 1 for owners in ties)
+
+    return _deepest_first(model, [unit for unit in found if not tied_across(unit)])
 
 
 def _deepest_first(model: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -259,10 +294,10 @@ def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, of
     `offload=True`: FSDP2's CPUOffloadPolicy (accelerators only). Outside a process group
     (the cell run without %%distribute) the model is only materialized.
     """
-    options = _fsdp_options(mixed_precision, offload)
-    if dist.is_available() and dist.is_initialized() and not any(is_sharded(p) for p in model.parameters()):
+    if dist.is_available() and dist.is_initialized() and not is_sharded_model(model):
         from torch.distributed.fsdp import fully_shard
 
+        options = _fsdp_options(mixed_precision, offload)
         _give_back_freed_blocks()
 
         units = _blocks(model, blocks)
@@ -320,7 +355,19 @@ def _materialize(model: torch.nn.Module, init=None) -> None:
     if not all(t.is_meta for t in tensors):
         raise ValueError("shard_model: the model is partly on the meta device; build all of it under "
                          "torch.device('meta'), or none")
-    device = _group_device() if dist.is_available() and dist.is_initialized() else torch.device("cpu")
+    if init is None and callable(getattr(model, "_init_weights", None)):
+        # transformers models (and nanoGPT-like ones) initialize every module with their own
+        # _init_weights from __init__: module by module, reset_parameters would draw others.
+        raise ValueError(f"shard_model: {_class_name(model)} initializes its modules with its own _init_weights, "
+                         "which building it on the meta device skipped: pass init=model._init_weights")
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
+        # Every rank draws the same whole tensors and keeps its part: they need the same
+        # random state (automatic mode seeds them alike; a --manual cell may not have).
+        state = [torch.get_rng_state()]
+        dist.broadcast_object_list(state, src=0)
+        torch.set_rng_state(state[0])
+    device = _group_device() if grouped else torch.device("cpu")
     ties = _ties(model)
     model.to_empty(device=device)  # a sharded parameter gets room for its shard only
     for owners in ties:  # to_empty may give each owner of a tied parameter a new one of its own
@@ -332,6 +379,12 @@ def _materialize(model: torch.nn.Module, init=None) -> None:
             params = {n: p for n, p in module._parameters.items() if p is not None}
             buffers = {n: b for n, b in module._buffers.items() if b is not None}
             if not params and not buffers:
+                own = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+                if own is not None and init is None and any(True for _ in module.parameters()):
+                    # It initializes tensors of its children (nn.Transformer): not one module at a time.
+                    raise ValueError(f"shard_model: {_class_name(module)} ({prefix or 'the model'}) initializes its "
+                                     "children's tensors itself, which cannot be replayed one module at a time; "
+                                     "build it whole, or pass init=, a function of a module")
                 continue
             named = [f"{prefix}.{n}".lstrip(".") for n in [*params, *buffers]]
             reset = init or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
@@ -428,23 +481,49 @@ def shard_models(namespace: dict, names: list[str], options: dict | None = None,
     {id of an old parameter: its sharded one}. Returns the names sharded."""
     sharded = []
     optimizers = [v for v in namespace.values() if isinstance(v, torch.optim.Optimizer)]
-    for name in names:
-        model = namespace.get(name)
-        if not isinstance(model, torch.nn.Module) or isinstance(model, DistributedDataParallel):
-            continue
-        params = dict(model.named_parameters())
-        if not params or any(is_sharded(p) for p in params.values()):
+    models = _outermost({name: namespace.get(name) for name in names})
+    for name, model in models.items():
+        if not any(True for _ in model.parameters()) or is_sharded_model(model):
             continue  # nothing to shard, or sharded already (by an earlier cell, or the cell itself)
         new = _shard_keeping_names(model, options or {})
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [new.get(id(p), p) for p in group["params"]]
             for old in [p for p in list(optimizer.state) if id(p) in new]:
-                optimizer.state[new[id(old)]] = optimizer.state.pop(old)
+                param = new[id(old)]
+                # Its state so far (momentum, Adam's moments), sharded as the parameter is.
+                optimizer.state[param] = {key: _sharded_like(value, param)
+                                          for key, value in optimizer.state.pop(old).items()}
         if replaced is not None:
             replaced(new)
         sharded.append(name)
     return sharded
+
+
+def _outermost(values: dict) -> dict[str, torch.nn.Module]:
+    """The nn.Modules among `values` (by name) that no other of them contains: sharding a
+    model shards its submodules (a `backbone` bound to a name of its own too), not the
+    other way round. One name per module."""
+    modules = {name: v for name, v in values.items()
+               if isinstance(v, torch.nn.Module) and not isinstance(v, DistributedDataParallel)}
+    inner = {id(m) for v in modules.values() for m in v.modules() if m is not v}
+    found, seen = {}, set()
+    for name, module in modules.items():
+        if id(module) not in inner and id(module) not in seen:
+            seen.add(id(module))
+            found[name] = module
+    return found
+
+
+def _sharded_like(value, param: torch.Tensor):
+    """An optimizer state tensor of a parameter now sharded, sharded alike (no communication:
+    every rank holds the same whole one)."""
+    if (isinstance(value, torch.Tensor) and not is_sharded(value) and value.dim() > 0
+            and tuple(value.shape) == tuple(param.shape)):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def _shard_keeping_names(model: torch.nn.Module, options: dict) -> dict[int, torch.Tensor]:
@@ -455,14 +534,14 @@ def _shard_keeping_names(model: torch.nn.Module, options: dict) -> dict[int, tor
     return {old: after[key] for old, key in before.items()}
 
 
-def whole_tensors_plan(module: torch.nn.Module) -> list[tuple[str, list[int], int, str | None]]:
-    """(key, whole shape, whole size in bytes, the earlier key of the same tensor or None)
+def whole_tensors_plan(module: torch.nn.Module) -> list[tuple[str, list[int], str, int, str | None]]:
+    """(key, whole shape, dtype, whole size in bytes, the earlier key of the same tensor or None)
     for each entry of a sharded module's state dict: what the kernel asks for, a chunk at
     a time, to bring the module back whole (see whole_tensors)."""
     first: dict[int, str] = {}
     plan = []
     for key, t in module.state_dict(keep_vars=True).items():
-        plan.append((key, list(t.shape), t.numel() * t.element_size(), first.get(id(t))))
+        plan.append((key, list(t.shape), str(t.dtype), t.numel() * t.element_size(), first.get(id(t))))
         first.setdefault(id(t), key)
     return plan
 
@@ -807,10 +886,8 @@ class AutoMode:
         params = [group(item) for item in params]
         wanted = {id(t) for item in params for t in tensors(item)}
         replaced: dict[int, torch.Tensor] = {}
-        for value in list(self.namespace.values()):
-            if (isinstance(value, torch.nn.Module) and not isinstance(value, DistributedDataParallel)
-                    and any(id(p) in wanted for p in value.parameters())
-                    and not any(is_sharded(p) for p in value.parameters())):
+        for value in _outermost(dict(self.namespace)).values():
+            if any(id(p) in wanted for p in value.parameters()) and not is_sharded_model(value):
                 replaced.update(_shard_keeping_names(value, self.shard))
         if replaced and self._replaced is not None:
             self._replaced(replaced)

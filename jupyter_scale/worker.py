@@ -498,6 +498,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
             before = _bindings()
             with _as_main():
                 exec(code, _state.namespace)
+            training.reshard(_state.namespace)  # an evaluation at the end leaves whole weights out
             if auto and training._distributed():  # the cell may have destroyed the group
                 # The kernel compares every rank's and asks for `sync_buffers` if any.
                 buffers = training.buffer_signatures(_state.namespace)
@@ -607,12 +608,16 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
         if isinstance(value, DistributedDataParallel):
             value = value.module  # the wrapper holds a process group; the model travels
         if name in request.get("pull", []):
+            if _holds_shards(value):
+                errors[name] = ("holds sharded tensors, this rank's part of them: save a checkpoint "
+                                "(jupyter_scale.save_checkpoint) and load it in the notebook instead")
+                continue
             values[name] = value
             continue
         if not isinstance(value, torch.nn.Module):
             errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
             continue
-        if any(training.is_sharded(p) for p in value.parameters()):
+        if training.is_sharded_model(value):
             if request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was
                 pulled.append(([name], "kept", 0))
             else:
@@ -640,6 +645,14 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
             tensor_frames.extend(frames[1])
             pulled.append((list(values), "values", len(frames[0])))
     return pulled, errors
+
+
+def _holds_shards(value) -> bool:
+    if isinstance(value, torch.nn.Module):
+        return training.is_sharded_model(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return any(training.is_sharded(p) for group in value.param_groups for p in group["params"])
+    return isinstance(value, torch.Tensor) and training.is_sharded(value)
 
 
 def whole_tensors(name: str, keys: list[str]) -> tuple:

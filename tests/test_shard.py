@@ -361,3 +361,91 @@ def test_mixed_precision_with_batchnorm_inside_a_sharding_unit(k):
          "torch.manual_seed(0)\nmodel = Blocked()\nstart = copy.deepcopy(model)")
     k.ok("%%distribute --workers 2 --shard --mixed-precision bf16" + LOOP, timeout=300)
     k.ok("assert torch.isfinite(flat(model)).all() and (flat(model) - flat(start)).abs().max().item() > 1e-3")
+
+
+def test_sharded_models_that_end_the_cell_evaluating_come_back_and_train_on(k):
+    # No container: the whole model is FSDP's outermost unit, which a forward without
+    # backward leaves whole until it is resharded; a notebook optimizer that has stepped
+    # already; a submodule bound to a name of its own; a tied weight across two layers.
+    k.ok("""
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+torch.manual_seed(0)
+plain = Plain()
+backbone = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+stacked = nn.Sequential(backbone, nn.Linear(16, 16), nn.Linear(16, 4))
+stacked[1].weight = backbone[0].weight  # tied across two of the default units
+momentum = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+x0, y0 = data[:64]
+nn.functional.cross_entropy(plain(x0), y0).backward()
+momentum.step()
+start, start_stacked = copy.deepcopy(plain), copy.deepcopy(stacked)
+""")
+    k.ok("%%distribute --workers 2 --shard\n"
+         "import jupyter_scale.training as training\n"
+         "other = torch.optim.SGD(stacked.parameters(), lr=0.1)\n"
+         "for x, y in DataLoader(data, batch_size=32, shuffle=True):\n"
+         "    momentum.zero_grad(); other.zero_grad()\n"
+         "    nn.functional.cross_entropy(plain(x), y).backward()\n"
+         "    nn.functional.cross_entropy(stacked(x), y).backward()\n"
+         "    momentum.step(); other.step()\n"
+         "with torch.no_grad():\n"
+         "    evaluated = nn.functional.cross_entropy(plain(x0), y0).item()\n"
+         "    stacked(x0)\n"
+         "tied = stacked[1].weight is backbone[0].weight\n", timeout=300)
+    assert k.value("jupyter_scale.get_session().gather('tied')") == [True, True]
+    k.ok("""
+assert stacked[1].weight is backbone[0].weight and stacked[0] is backbone
+assert (flat(plain) - flat(start)).abs().max().item() > 1e-3
+assert (flat(stacked) - flat(start_stacked)).abs().max().item() > 1e-3
+with torch.no_grad():
+    here = nn.functional.cross_entropy(plain(x0), y0).item()
+evaluated = jupyter_scale.get_session().gather('evaluated')
+assert all(abs(e - here) <= 1e-5 for e in evaluated), (evaluated, here)
+""")
+    # The next cell, without --shard, trains on from the sharded models on every rank.
+    k.ok("%%distribute\n"
+         "for x, y in DataLoader(data, batch_size=32):\n"
+         "    momentum.zero_grad()\n"
+         "    nn.functional.cross_entropy(plain(x), y).backward()\n"
+         "    momentum.step()\n", timeout=300)
+    # A sharded optimizer cannot come back by value: said by name, the cell still succeeds.
+    out = k.ok("%%distribute --pull momentum\nx = 1", timeout=120)
+    assert "could not pull 'momentum': it holds sharded tensors" in out.stderr, out.stderr
+
+
+def test_shard_model_refuses_initializations_it_cannot_replay(k):
+    k.ok("""
+class Nano(nn.Module):  # initializes its modules with its own _init_weights, as nanoGPT does
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(8, 4)
+        self.apply(self._init_weights)
+    def _init_weights(self, module):
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+def refused(build):
+    with torch.device("meta"):
+        model = build()
+    try:
+        jupyter_scale.shard_model(model)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("no error")
+
+message = refused(Nano)
+assert "Nano initializes its modules with its own _init_weights" in message and "init=model._init_weights" in message
+message = refused(lambda: nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                         dim_feedforward=16))
+assert message.startswith("shard_model: Transformer (the model) initializes its children's tensors itself"), message
+with torch.device("meta"):
+    nano = Nano()
+jupyter_scale.shard_model(nano, init=nano._init_weights)
+assert 0.005 < nano.wte.weight.std().item() < 0.05
+""")
