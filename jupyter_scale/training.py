@@ -19,6 +19,8 @@ from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableD
 from . import rendezvous
 
 
+_sharding = None  # the Sharding of the --shard cell running now
+
 # Every DDP model built on this worker: automatic mode must not average their gradients
 # a second time.
 DDP_MODELS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
@@ -292,9 +294,10 @@ def shard_model(model: torch.nn.Module, *, blocks=None, mixed_precision=None, of
     by default the members of the outermost nn.Sequentials and nn.ModuleLists. `mixed_precision`:
     "bf16"/"fp16" (compute in it, reduce gradients in float32) or a MixedPrecisionPolicy.
     `offload=True`: FSDP2's CPUOffloadPolicy (accelerators only). Outside a process group
-    (the cell run without %%distribute) the model is only materialized.
+    of two ranks or more (the cell run without %%distribute, or on one worker) the model is
+    only materialized.
     """
-    if dist.is_available() and dist.is_initialized() and not is_sharded_model(model):
+    if _distributed() and not is_sharded_model(model):
         from torch.distributed.fsdp import fully_shard
 
         options = _fsdp_options(mixed_precision, offload)
@@ -735,8 +738,8 @@ def _install_patches() -> None:
 
     @functools.wraps(original_optimizer_init)
     def optimizer_init(optimizer, params, *args, **kwargs):
-        if _active is not None and _active.shard is not None:
-            params = _active._sharded_params(params)
+        if _sharding is not None:
+            params = _sharding.sharded_params(params)
         original_optimizer_init(optimizer, params, *args, **kwargs)
 
     torch.optim.Optimizer.__init__ = optimizer_init
@@ -784,6 +787,62 @@ NOTHING_DISTRIBUTED = (
     "jupyter_scale.shard(...)) and update with a torch.optim optimizer; --manual silences this.")
 
 
+class Sharding:
+    """While a --shard cell runs on a worker: building an optimizer shards the models it
+    trains first (see sharded_params). Entered around the cell and left afterwards."""
+
+    def __init__(self, namespace: dict, options: dict, replaced=None):
+        self.namespace = namespace
+        self.options = options  # shard_model's
+        self._replaced = replaced  # told {id of an old parameter: its new one}
+
+    def __enter__(self) -> "Sharding":
+        global _sharding
+        _install_patches()
+        _sharding = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _sharding
+        _sharding = None
+
+    def sharded_params(self, params) -> list:
+        """An optimizer is being built over `params`. The cell's models that own them (bound
+        to names in the cell's namespace) are sharded first, as the notebook's were before
+        the cell (a model built on the meta device is materialized then; with one rank, only
+        that), and the optimizer gets the new parameters."""
+        def group(item):
+            if isinstance(item, dict):
+                inner = item["params"]
+                return {**item, "params": [inner] if isinstance(inner, torch.Tensor) else list(inner)}
+            return item
+
+        def tensors(item):
+            if isinstance(item, dict):
+                return [t for entry in item["params"] for t in tensors(entry)]
+            return [item[1]] if isinstance(item, tuple) else [item]  # (name, parameter) pairs too
+
+        if isinstance(params, torch.Tensor):
+            return params  # the optimizer refuses it, in its own words
+        params = [group(item) for item in params]
+        wanted = {id(t) for item in params for t in tensors(item)}
+        replaced: dict[int, torch.Tensor] = {}
+        for value in _outermost(dict(self.namespace)).values():
+            if any(id(p) in wanted for p in value.parameters()) and not is_sharded_model(value):
+                replaced.update(_shard_keeping_names(value, self.options))
+        if replaced and self._replaced is not None:
+            self._replaced(replaced)
+
+        def swap(item):
+            if isinstance(item, dict):
+                return {**item, "params": [swap(entry) for entry in item["params"]]}
+            if isinstance(item, tuple):
+                return (item[0], replaced.get(id(item[1]), item[1]))
+            return replaced.get(id(item), item)
+
+        return [swap(item) for item in params] if replaced else params
+
+
 class AutoMode:
     """While a cell runs: loaders shard, optimizer steps average, DDP is not averaged twice.
 
@@ -791,12 +850,8 @@ class AutoMode:
     left afterwards, so nothing of it acts between cells or outside %%distribute.
     """
 
-    def __init__(self, seed: int, namespace: dict | None = None, warn=None, shard: dict | None = None,
-                 replaced=None):
+    def __init__(self, seed: int, namespace: dict | None = None, warn=None):
         self.seed = seed
-        # --shard: shard_model's options for the models the cell trains; None: no sharding.
-        self.shard = shard
-        self._replaced = replaced  # told {id of an old parameter: its sharded one}
         self.namespace = namespace if namespace is not None else {}
         self._warned: set[str] = set()
         self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
@@ -864,42 +919,6 @@ class AutoMode:
             self._warn_once("iterable", ITERABLE)
         elif not any(map(_injected, chain)):  # ours, passing through for a wrapper: not its own
             self._warn_once("sampler", OWN_SAMPLER)
-
-    def _sharded_params(self, params) -> list:
-        """--shard: an optimizer is being built over `params`. The cell's models that own
-        them (bound to names in the cell's namespace) are sharded first, as the notebook's
-        were before the cell (a model built on the meta device is materialized then), and
-        the optimizer gets the sharded parameters."""
-        def group(item):
-            if isinstance(item, dict):
-                inner = item["params"]
-                return {**item, "params": [inner] if isinstance(inner, torch.Tensor) else list(inner)}
-            return item
-
-        def tensors(item):
-            if isinstance(item, dict):
-                return [t for entry in item["params"] for t in tensors(entry)]
-            return [item[1]] if isinstance(item, tuple) else [item]  # (name, parameter) pairs too
-
-        if isinstance(params, torch.Tensor):
-            return params  # the optimizer refuses it, in its own words
-        params = [group(item) for item in params]
-        wanted = {id(t) for item in params for t in tensors(item)}
-        replaced: dict[int, torch.Tensor] = {}
-        for value in _outermost(dict(self.namespace)).values():
-            if any(id(p) in wanted for p in value.parameters()) and not is_sharded_model(value):
-                replaced.update(_shard_keeping_names(value, self.shard))
-        if replaced and self._replaced is not None:
-            self._replaced(replaced)
-
-        def swap(item):
-            if isinstance(item, dict):
-                return {**item, "params": [swap(entry) for entry in item["params"]]}
-            if isinstance(item, tuple):
-                return (item[0], replaced.get(id(item[1]), item[1]))
-            return replaced.get(id(item), item)
-
-        return [swap(item) for item in params] if replaced else params
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

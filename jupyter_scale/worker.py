@@ -464,10 +464,12 @@ def run_cell(request: dict, *frames: Any) -> tuple:
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
-    # A model sharded here keeps the notebook's tokens of its parameters: their whole
-    # tensors are freed, and the notebook's later changes reach the shards.
-    mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, shard=request.get("shard"),
-                              replaced=_state.receiver.replace) if auto else nullcontext())
+    mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
+    # --shard (one worker too: it materializes models built on the meta device). A model
+    # sharded here keeps the notebook's tokens of its parameters: their whole tensors are
+    # freed, and the notebook's later changes reach the shards.
+    sharding = (training.Sharding(_state.namespace, request["shard"], _state.receiver.replace)
+                if request.get("auto") and request.get("shard") is not None else nullcontext())
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
     _state.cell_run = request.get("run", "")
     sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)
@@ -479,7 +481,7 @@ def run_cell(request: dict, *frames: Any) -> tuple:
         sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
     try:
         _cell_may_be_interrupted(True)
-        with mode:
+        with mode, sharding:
             _state.receiver.device = _state.device
             with sharedmem.unpacked(frames, request.get("shared_frames")) as frames:
                 shipped = _state.receiver.receive(request, frames)

@@ -449,3 +449,26 @@ with torch.device("meta"):
 jupyter_scale.shard_model(nano, init=nano._init_weights)
 assert 0.005 < nano.wte.weight.std().item() < 0.05
 """)
+
+
+def test_on_one_worker_shard_materializes_a_meta_model_and_trains_it_whole(k):
+    k.ok("%%distribute --workers 1 --shard\n"
+         "import jupyter_scale.training as training\n"
+         "with torch.device('meta'):\n"
+         "    solo = Tied()\n"
+         "opt = torch.optim.SGD(solo.parameters(), lr=0.1)\n"
+         "losses = []\n"
+         "for epoch in range(3):\n"
+         "    for x, y in DataLoader(data, batch_size=64, shuffle=True):\n"
+         "        opt.zero_grad()\n"
+         "        loss = nn.functional.cross_entropy(solo(x), y)\n"
+         "        loss.backward()\n"
+         "        opt.step()\n"
+         "        losses.append(loss.item())\n"
+         "whole = not any(training.is_sharded(p) or p.is_meta for p in solo.parameters())\n"
+         "tied = solo.out.weight is solo.inp.weight\n", timeout=300)
+    assert k.value("jupyter_scale.get_session().gather('whole')") == [True]
+    assert k.value("jupyter_scale.get_session().gather('tied')") == [True]
+    k.ok("losses = jupyter_scale.get_session().gather('losses')[0]\n"
+         "assert len(losses) == 60 and sum(losses[-10:]) < sum(losses[:10]), losses")
+    k.ok("%scale restart --workers 2", timeout=180)
