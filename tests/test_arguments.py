@@ -20,7 +20,8 @@ TOKENS = st.sampled_from([
     "a,b", "1x", ",", "dask", "ipyparallel", "nosuch", "tcp://127.0.0.1:8786", "x.json", "=",
     "--workers=2", "--timeout=0", "'", '"', "status", "start", "stop", "restart", "connect", "explode",
     "--launcher", "local", "slurm", "mpi", "--partition", "--time", "10:00", "--mem", "16G", "--cpus-per-worker",
-    "--gpus-per-worker", "--account", "--qos", "--shard",
+    "--gpus-per-worker", "--account", "--qos", "--shard", "--mixed-precision", "bf16", "fp8", "--cpu-offload",
+    "--keep-sharded",
 ])
 LINES = st.lists(st.one_of(TOKENS, st.text(max_size=8)), max_size=6).map(" ".join)
 
@@ -29,8 +30,10 @@ class Recorder(ScaleSession):
     """A session that records calls instead of starting clusters, and checks their arguments."""
 
     def run(self, code, *, workers=None, pull=(), timeout=None, manual=False, steps=None, launcher=None,
-            launcher_options=None, shard=False):
+            launcher_options=None, shard=False, keep_sharded=False):
         assert not (shard and manual)
+        assert shard is False or shard is True or set(shard) <= {"mixed_precision", "offload"}
+        assert isinstance(keep_sharded, bool)
         assert workers is None or (isinstance(workers, int) and workers >= 1)
         assert launcher in (None, "local", "slurm", "mpi")
         assert not launcher_options or launcher in (None, "slurm")
