@@ -161,8 +161,6 @@ def _shard_loader(loader: DataLoader, *, shuffle: bool | None, seed: int, drop_l
 # (not one per parameter), none so large that the flattened copy dominates memory.
 BUCKET_BYTES = 25 * 2**20
 
-# How many parameter gradients automatic mode has averaged on this worker (diagnostics).
-averaged_parameters = 0
 
 
 def seed_everything(seed: int) -> None:
@@ -596,12 +594,9 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
         for g in grads:
             g.copy_(flat[at: at + g.numel()].view_as(g))
             at += g.numel()
-    global averaged_parameters
     for p, count in zip(params, counts):
         if count == 0:
             p.grad = None  # no rank had a gradient: as it was
-        else:
-            averaged_parameters += 1
 
 
 def _buckets(params: list[torch.Tensor]):

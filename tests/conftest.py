@@ -36,6 +36,23 @@ local = torch.cat([p.detach().flatten() for p in model.parameters()])
 assert len(ws) == {n} and all(torch.equal(w, local) for w in ws), "weights differ across ranks or the notebook"
 """
 
+# Run on the workers first (in a %%distribute cell): `with averaging_counted() as averaged:`
+# around training counts the parameter gradients automatic mode averaged (`averaged.count`).
+COUNT_AVERAGING = """
+import jupyter_scale.training as training
+
+class averaging_counted:
+    def __enter__(self):
+        self.count, self.original = 0, training._average_gradients
+        def counted(params, skip, *args, **kwargs):
+            self.count += sum(1 for p in params if id(p) not in skip and p.grad is not None)
+            return self.original(params, skip, *args, **kwargs)
+        training._average_gradients = counted
+        return self
+    def __exit__(self, *exc):
+        training._average_gradients = self.original
+"""
+
 SETUP = """
 %load_ext jupyter_scale
 import torch, torch.nn as nn

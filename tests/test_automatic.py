@@ -5,6 +5,8 @@ Every comparison trains real models on a real 2-rank gloo group and checks the w
 
 import pytest
 
+from conftest import COUNT_AVERAGING
+
 DESIGN_LOOP = """%%distribute --workers 2
 loader = DataLoader(data, batch_size=64, shuffle=True)   # each rank gets its own shard
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -216,20 +218,28 @@ branchy_w = torch.cat([p.detach().flatten() for p in branchy.parameters()])
 
 def test_explicit_wrap_and_shard_are_not_doubled(k):
     k.ok("torch.manual_seed(0)\nm_w = Net()")
+    k.ok("%%distribute" + COUNT_AVERAGING)
     k.ok("""%%distribute
-import jupyter_scale.training as training
 net = jupyter_scale.wrap(m_w)
 loader = jupyter_scale.shard(DataLoader(data, batch_size=64, shuffle=True))
 opt = torch.optim.SGD(net.parameters(), lr=0.05)
-before = training.averaged_parameters
-for x, y in loader:
-    opt.zero_grad()
-    nn.functional.cross_entropy(net(x), y).backward()
-    opt.step()
-n_batches, averaged_by_us = len(loader), training.averaged_parameters - before
+with averaging_counted() as averaged:
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+n_batches, averaged_by_us = len(loader), averaged.count
+plain = copy.deepcopy(m_w)
+plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+with averaging_counted() as averaged:  # the counter counts: the same step without DDP is averaged by us
+    nn.functional.cross_entropy(plain(x), y).backward()
+    plain_opt.step()
+averaged_plain = averaged.count
 """)
     assert k.value("jupyter_scale.get_session().gather('n_batches')") == [16, 16]  # not 8: sharded once
     assert k.value("jupyter_scale.get_session().gather('averaged_by_us')") == [0, 0]  # DDP averaged
+    count = k.value("len(list(m_w.parameters()))")
+    assert k.value("jupyter_scale.get_session().gather('averaged_plain')") == [count, count]
 
 
 def test_loader_from_the_notebook_is_sharded_and_custom_samplers_are_left_alone(k):

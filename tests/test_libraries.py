@@ -2,6 +2,7 @@
 distribution did nothing. Real cells on a real 2-rank gloo group, on both engines."""
 
 import pytest
+from conftest import COUNT_AVERAGING
 
 from jupyter_scale.training import ITERABLE, NOTHING_DISTRIBUTED, OWN_SAMPLER
 
@@ -13,7 +14,7 @@ data = TensorDataset(torch.randn(512, 8, generator=g), torch.randint(0, 4, (512,
 # The Hugging Face Trainer builds its eval loader without a sampler (automatic mode puts one
 # in) and its train loader with a RandomSampler; accelerate then wraps both loaders' batch
 # samplers in its BatchSamplerShard. 300 samples, batches of 10 (train) and 8 (eval).
-TRAINER = """%%distribute --workers 2
+TRAINER = "%%distribute --workers 2" + COUNT_AVERAGING + """
 import os, tempfile
 os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import transformers
@@ -38,9 +39,9 @@ args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], num_train_
                          per_device_train_batch_size=10, per_device_eval_batch_size=8,
                          save_strategy="no", logging_strategy="no", disable_tqdm=True)
 trainer = Trainer(model=gpt, args=args, train_dataset=train_ds, eval_dataset=eval_ds)
-before = training.averaged_parameters
-trainer.train()
-averaged_by_us = training.averaged_parameters - before
+with averaging_counted() as averaged:
+    trainer.train()
+averaged_by_us = averaged.count
 train_seen = list(train_ds.seen)
 trainer.evaluate()
 eval_seen = list(eval_ds.seen)

@@ -5,7 +5,10 @@ reduce-scatters the sharded gradients, and automatic mode must not average them 
 afterwards the notebook's model holds the whole trained weights, gathered from every rank.
 """
 
+import textwrap
+
 import pytest
+from conftest import COUNT_AVERAGING
 
 NOTEBOOK = """
 import copy
@@ -55,15 +58,14 @@ def test_a_cell_that_shards_its_model_trains_as_unsharded_automatic_mode_does(k)
     k.ok("%%distribute --workers 2" + LOOP, timeout=300)
     k.ok("unsharded = copy.deepcopy(model)\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
     # The same loop; the cell shards the body's layers and the whole model first (FSDP2).
-    k.ok("%%distribute --workers 2\n"
-         "import jupyter_scale.training as training\n"
+    k.ok("%%distribute --workers 2" + COUNT_AVERAGING +
          "for layer in model.body:\n"
          "    if any(True for _ in layer.parameters()):\n"
          "        fully_shard(layer)\n"
          "fully_shard(model)\n"
          "sharded = all(training.is_sharded(p) for p in model.parameters())\n"
-         "before = training.averaged_parameters" + LOOP +
-         "averaged_by_us = training.averaged_parameters - before\n", timeout=300)
+         "with averaging_counted() as averaged:\n" + textwrap.indent(LOOP, "    ") +
+         "averaged_by_us = averaged.count\n", timeout=300)
     assert k.value("jupyter_scale.get_session().gather('steps')") == [20, 20]
     assert k.value("jupyter_scale.get_session().gather('sharded')") == [True, True]
     # FSDP2 reduced the gradients; automatic mode left them alone (no double averaging).
