@@ -1097,13 +1097,11 @@ class ScaleSession(LoggingConfigurable):
         for names, kind, count in header.get("pulled", []):
             if kind == "kept":
                 continue
-            if kind == "sharded":
-                stream = buffers = None
-            else:
+            if kind != "sharded":  # a sharded model's `count` is the plan of its state dict, not frames
                 stream, buffers = frames[at], frames[at + 1: at + count]
                 at += count
             try:
-                if kind == "sharded":  # `count` is the plan of its state dict
+                if kind == "sharded":
                     self._pull_sharded(names[0], count)
                     values = {}
                 elif kind == "state_dict":

@@ -6,6 +6,7 @@ running, so a cell that calls them also runs as plain local code.
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -174,38 +175,42 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def _loaded(module: str, name: str):
+    """`module.name` when something imported that module, else None. Nothing is sharded
+    until torch's sharding is imported (the cell's or shard_model's doing), so asking
+    costs no import: these checks run after every cell and at every averaging step."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """A parameter that torch's sharding (FSDP2's fully_shard, tensor parallel) manages."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor: nothing is sharded
-        return False
-    return isinstance(tensor, DTensor)
+    dtensor = _loaded("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list:
+    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
+    return [m for m in model.modules() if isinstance(m, fsdp_module)] if fsdp_module is not None else []
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
     """A model FSDP2 manages (in whole or in part). Its parameters tell it only between
     passes: after a forward without backward (an evaluation) the outermost unit holds
     whole ones until it is resharded."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return bool(_fsdp_modules(model))
 
 
 def reshard(namespace: dict) -> None:
     """Every FSDP2 model of the namespace back to its shards (local, no collective): at the
     end of a cell, so that every rank holds and hands back the same kind of tensors."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
+    if _loaded("torch.distributed.fsdp", "FSDPModule") is None:
         return
     seen: set[int] = set()
     for value in list(namespace.values()):
         if isinstance(value, torch.nn.Module):
-            for module in value.modules():
-                if isinstance(module, FSDPModule) and id(module) not in seen:
+            for module in _fsdp_modules(value):
+                if id(module) not in seen:
                     seen.add(id(module))
                     module.reshard()
 
