@@ -276,19 +276,72 @@ def set_torchrun_env(rank: int, world_size: int, local_rank: int, local_world_si
 
 def tcp_socket_inodes() -> set[int]:
     """Inodes of this process's open sockets (Linux; empty elsewhere)."""
-    inodes = set()
+    return set(_socket_fds())
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's open sockets: inode -> a file descriptor of it (Linux; empty elsewhere)."""
+    found: dict[int, int] = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
-        return inodes
+        return found
     for fd in fds:
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
+            found.setdefault(int(target[8:-1]), int(fd))
+    return found
+
+
+def _tcp_endpoints(inodes: set[int]) -> dict[int, tuple]:
+    """For those of `inodes` that are TCP sockets of this process: (local, remote) endpoints
+    as (address, port), remote None for a listening socket."""
+    endpoints = {}
+    for inode, fd in _socket_fds().items():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))  # a dup: closing it leaves the owner's fd alone
+        except OSError:  # closed meanwhile, or not a socket Python knows
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            local = tuple(sock.getsockname()[:2])
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            endpoints[inode] = (local, None if listening else tuple(sock.getpeername()[:2]))
+        except OSError:  # not connected (yet, or any more)
+            continue
+        finally:
+            sock.close()
+    return endpoints
+
+
+LISTENERS_KEY = "jupyter_scale/listeners/"
+
+
+def _groups_own(opened: set[int], store: dist.Store, rank: int, world_size: int) -> set[int]:
+    """Of the sockets this process opened while joining the group, the group's own.
+
+    The engine's threads open connections of their own meanwhile (a Dask worker to its
+    scheduler, a peer fetching a result); cutting one of those at an abort kills the
+    worker. The group's are its listening sockets and the connections to or from one of
+    them: each rank publishes its listeners' endpoints in the group's store.
+    """
+    endpoints = _tcp_endpoints(opened)  # none off Linux: nothing is cut there
+    mine = sorted(local for local, remote in endpoints.values() if remote is None)
+    store.set(f"{LISTENERS_KEY}{rank}", json.dumps(mine))
+    listeners = {tuple(local) for local in mine}
+    for other in range(world_size):
+        if other != rank:
+            listeners.update(tuple(e) for e in json.loads(store.get(f"{LISTENERS_KEY}{other}")))
+    any_address = {port for address, port in listeners if address in ("0.0.0.0", "::")}
+    return {inode for inode, (local, remote) in endpoints.items()
+            if remote is None or local in listeners or remote in listeners
+            or local[1] in any_address or remote[1] in any_address}
 
 
 def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
@@ -303,7 +356,7 @@ def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
     init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
     options = {"timeout": timeout} if timeout is not None else {}
     init(backend, store=store, rank=rank, world_size=world_size, **options)
-    return tcp_socket_inodes() - before
+    return _groups_own(tcp_socket_inodes() - before, store, rank, world_size)
 
 
 def abort_group(group_sockets: set[int]) -> None:

@@ -31,6 +31,8 @@ _quiet_cluster_log.setLevel(logging.ERROR)
 HEARTBEAT_MS = 500
 # How long a rank's output may trail its reply before the rank counts as done anyway.
 OUTPUT_GRACE_S = 2.0
+# How long a start-up probe of an engine may go unanswered before it is sent again.
+PROBE_AGAIN_S = 5.0
 
 
 class _EngineLauncher(LocalEngineLauncher):
@@ -343,6 +345,38 @@ class _IPPJob(Job):
             self._client._output_futures.pop(msg_id, None)
 
 
+def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> None:
+    """Wait until every engine answers a call through each route the backend sends calls by:
+    its own (submit_each) and the broadcast scheduler (submit).
+
+    The controller counts an engine as registered once its heartbeats arrive, while the
+    engine's connections to the schedulers may still be completing (CurveZMQ handshakes,
+    slow on a loaded machine); a scheduler drops a message for an engine it has no
+    connection to yet, in silence, and a cell's call lost that way never answers. A
+    probe lost that way is sent again.
+    """
+    deadline = time.monotonic() + timeout
+    pending = [(eid, route) for eid in engine_ids for route in ("own", "broadcast")]
+    while pending:
+        sent = {}
+        for eid, route in pending:
+            view = client[eid] if route == "own" else client.broadcast_view(targets=[eid])
+            sent[(eid, route)] = view.apply_async(os.getpid)
+        again_at = min(deadline, time.monotonic() + PROBE_AGAIN_S)
+        while not all(ar.ready() for ar in sent.values()) and time.monotonic() < again_at:
+            time.sleep(0.01)
+        pending = [key for key, ar in sent.items() if not ar.ready()]
+        for ar in sent.values():
+            for msg_id in ar.msg_ids:  # answered or lost: nothing of it is kept
+                client.results.pop(msg_id, None)
+                client.metadata.pop(msg_id, None)
+        if pending and time.monotonic() >= deadline:
+            raise ClusterError(f"engines {sorted({eid for eid, _ in pending})} registered but did not answer a "
+                               f"call within {timeout:.0f} s")
+        if pending:
+            log.debug("engines %s did not answer a probe; sending again", pending)
+
+
 class IPyParallelBackend(Backend):
     """Workers are ipyparallel engines; rank i is the i-th engine id."""
 
@@ -412,6 +446,7 @@ class IPyParallelBackend(Backend):
                     return False
 
             launcher.wait_for_workers(ready, n, timeout)
+            _await_routes(client, sorted(client.ids)[:n], timeout)
             _keep_private(cluster)
         except BaseException as exc:
             detail = _startup_failure(cluster) or str(exc)
@@ -452,9 +487,10 @@ class IPyParallelBackend(Backend):
         try:
             if n:
                 client.wait_for_engines(n, timeout=timeout, interactive=False)
+            _await_routes(client, sorted(client.ids)[:n] if n else sorted(client.ids), timeout)
         except BaseException as exc:
             client.close()
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, (KeyboardInterrupt, ClusterError)):
                 raise
             raise ClusterError(f"the ipyparallel cluster ({where}) did not offer {n} engines within "
                                f"{timeout:.0f} s: {exc}") from exc
