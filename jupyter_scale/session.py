@@ -6,10 +6,8 @@ same code as the magics.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -25,8 +23,8 @@ import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import launchers, metrics, rendezvous, sharedmem, shipping, worker
-from .backends import Backend, Job, Output, create_backend, descendants, describe_exit, end_processes
+from . import display, launchers, metrics, rendezvous, sharedmem, shipping, worker
+from .backends import Backend, Job, create_backend, descendants, describe_exit, end_processes
 from .errors import (CellTimeout, ClusterError, DistributeError, RankFailure, RemoteError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
 
@@ -57,58 +55,6 @@ class RunRecord:
     @property
     def bytes_shipped(self) -> int:
         return sum(self.shipped.values())
-
-
-_LINE_END = re.compile(r"[\r\n]")  # what ends a segment of a rank's output
-
-
-class _LineLabeler:
-    """Prefixes each line a rank prints with `[rank N]`; keeps partial lines.
-
-    A carriage return ends a segment too, so progress bars that redraw their line with
-    `\r` (tqdm) show while they run, not only when their line is done. Each piece of text
-    is scanned once: 20k one-character writes used to take 14 s, each re-scanning the
-    line so far. A line that reaches `max_partial` characters without ending is shown
-    as it is (a process that never prints a newline still shows, in bounded memory).
-    """
-
-    def __init__(self, max_partial: int = 64 * 1024) -> None:
-        self.max_partial = max_partial
-        self._partial: dict[tuple[int, str], io.StringIO] = {}
-        self._after_cr: set[tuple[int, str]] = set()  # streams whose last character was \r
-
-    def feed(self, rank: int, stream: str, text: str) -> str:
-        key = (rank, stream)
-        out, start = [], 0
-        for end in _LINE_END.finditer(text):
-            i, ch = end.start(), end.group()
-            segment = text[start:i]
-            if start == 0 and key in self._partial:
-                segment = self._partial.pop(key).getvalue() + segment
-            after_cr = text[i - 1] == "\r" if i else key in self._after_cr
-            if segment or (ch == "\n" and not after_cr):  # a blank line, not the \n of a \r\n
-                out.append(f"[rank {rank}] {segment}{ch}")
-            else:
-                out.append(ch)
-            start = i + 1
-        if text.endswith("\r"):
-            self._after_cr.add(key)
-        elif text:
-            self._after_cr.discard(key)
-        if start < len(text):
-            partial = self._partial.get(key)
-            if partial is None:
-                partial = self._partial[key] = io.StringIO()
-            partial.write(text[start:])
-            if partial.tell() >= self.max_partial:
-                out.append(f"[rank {rank}] {self._partial.pop(key).getvalue()}\n")
-        return "".join(out)
-
-    def flush(self) -> list[tuple[str, str]]:
-        rest = [(stream, f"[rank {rank}] {text.getvalue()}\n") for (rank, stream), text in sorted(self._partial.items())]
-        self._partial.clear()
-        self._after_cr.clear()
-        return rest
 
 
 class _Interrupts:
@@ -659,7 +605,7 @@ class ScaleSession(LoggingConfigurable):
             # calls torch.manual_seed gets the same worker runs every time.
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
         }
-        view = _RunView(self, record, steps)
+        view = display.RunView(self, record, steps)
         self._notify("run_started", record, steps)
         with _interrupts_noted() as interrupts:
             frames, request["shared_frames"] = self._pack_frames(shipment)
@@ -734,7 +680,7 @@ class ScaleSession(LoggingConfigurable):
                 log.warning("shared memory failed (%s); sending through %s", exc, self.backend_name)
         return shipment.frames, None
 
-    def _end_run(self, record: RunRecord, view: "_RunView", headers: dict, frames_back: dict,
+    def _end_run(self, record: RunRecord, view: "display.RunView", headers: dict, frames_back: dict,
                  error: RemoteError | None, lost: list, shipment: shipping.Shipment, plan: shipping.Plan,
                  manual: bool) -> None:
         record.elapsed = time.time() - record.started
@@ -791,7 +737,7 @@ class ScaleSession(LoggingConfigurable):
         finally:
             job.release()
 
-    def _finish_run(self, view: "_RunView", record: RunRecord) -> None:
+    def _finish_run(self, view: "display.RunView", record: RunRecord) -> None:
         """Show the run's end in the cell and tell the observers (the sidebar)."""
         view.finish(record)
         self._notify("run_finished", record)
@@ -801,7 +747,7 @@ class ScaleSession(LoggingConfigurable):
             self.events = self._require_backend().open_events()
         return self.events
 
-    def _take_events(self, record: RunRecord, view: "_RunView") -> None:
+    def _take_events(self, record: RunRecord, view: "display.RunView") -> None:
         heard = time.monotonic()
         for event in self.events.drain() if self.events is not None else ():
             kind = event.get("kind")
@@ -816,7 +762,7 @@ class ScaleSession(LoggingConfigurable):
                 record.metrics.append(event)
             view.add(event)
 
-    def _collect_last_events(self, headers: dict[int, dict], record: RunRecord, view: "_RunView") -> None:
+    def _collect_last_events(self, headers: dict[int, dict], record: RunRecord, view: "display.RunView") -> None:
         """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
         expected = {r: h.get("events_sent", 0) for r, h in headers.items()}
         if self.events is not None:
@@ -843,7 +789,7 @@ class ScaleSession(LoggingConfigurable):
         """Not a name the workers set themselves, a dunder, or IPython's own."""
         return name not in worker.INJECTED_NAMES and not name.startswith("__") and not _is_ipython_internal(name)
 
-    def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "_RunView",
+    def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "display.RunView",
               interrupts: "_Interrupts | None" = None):
         """Stream output until every rank answered; stop the others after a failure.
 
@@ -852,7 +798,7 @@ class ScaleSession(LoggingConfigurable):
         worker was lost.
         """
         backend = self.backend
-        labeler = _LineLabeler()
+        labeler = display.LineLabeler()
         headers: dict[int, dict] = {}
         frames_back: dict[int, tuple] = {}
         failures: list[RankFailure] = []
@@ -900,7 +846,7 @@ class ScaleSession(LoggingConfigurable):
             try:
                 if interrupts.count > interrupts.handled:
                     kernel_interrupt()
-                self._emit(job.new_output(), labeler)
+                display.emit(job.new_output(), labeler)
                 self._take_events(record, view)
                 view.tick()
                 self._notify("tick")
@@ -974,12 +920,12 @@ class ScaleSession(LoggingConfigurable):
                 job.wait_activity(self.poll_interval)
             except KeyboardInterrupt:  # off the main thread, where SIGINT is not noted
                 interrupts.count += 1
-        self._emit(job.new_output(), labeler)
+        display.emit(job.new_output(), labeler)
         for stream, text in labeler.flush():
-            _write(stream, text)
+            display.write(stream, text)
         self._collect_last_events(headers, record, view)
         if record.lost_events:
-            _write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
+            display.write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
         if self._user_interrupted and not lost:
             for f in failures:
                 # The interrupt stopped every rank; a rank freed from a collective by a peer
@@ -1060,7 +1006,7 @@ class ScaleSession(LoggingConfigurable):
                 f"rank(s) {sorted(set(absent) | set(silent))} are not in it")
         if silent:
             line += f" (no heartbeat from rank(s) {sorted(silent)}: hung or overloaded)"
-        _write("stderr", line + ". Interrupt the kernel to stop every rank, or use --timeout.\n")
+        display.write("stderr", line + ". Interrupt the kernel to stop every rank, or use --timeout.\n")
         return time.monotonic()
 
     def _request_abort(self) -> None:
@@ -1073,18 +1019,6 @@ class ScaleSession(LoggingConfigurable):
             rendezvous.request_abort(self.group["store"])
         except Exception:  # the store is gone with rank 0; its peers fail on their own
             log.debug("abort request through the store failed", exc_info=True)
-
-    def _emit(self, outputs: list[Output], labeler: _LineLabeler) -> None:
-        for out in outputs:
-            if out.stream == "display":
-                if out.rank == 0:  # rich output is shown once, from rank 0
-                    from IPython.display import publish_display_data
-
-                    publish_display_data(out.data, out.metadata)
-                continue
-            text = labeler.feed(out.rank, out.stream, out.text)
-            if text:
-                _write(out.stream, text)
 
     def _apply_pulls(self, header: dict, frames: tuple, record: RunRecord) -> None:
         at = 0
@@ -1227,84 +1161,12 @@ def _is_ipython_internal(name: str) -> bool:
     ) or (name.startswith("_") and name[1:].isdigit())
 
 
-class _RunView:
-    """What the user sees of a running cell: the live dashboard or periodic text lines."""
-
-    MAX_RATE = 10.0  # dashboard updates per second at most, whatever the report rate
-
-    def __init__(self, session: "ScaleSession", record: RunRecord, total_steps: int | None):
-        self.text = metrics.TextProgress(session.progress_interval)
-        self.feed = None
-        self.widget = self.handle = None
-        self._pushed_at, self._dirty = 0.0, False
-        self._started = time.monotonic()
-        if _wants_widget(session):
-            from IPython.display import display
-
-            from .widgets import Dashboard, DashboardFeed
-
-            self.feed = DashboardFeed(record.workers, total_steps)
-            self.widget = Dashboard()
-            self.feed.push(self.widget)
-            self.handle = display(self.widget, display_id=True)
-
-    def add(self, event: dict) -> None:
-        if self.feed is not None:
-            self.feed.add(event)
-            self._dirty = True
-        elif "kind" not in event:
-            self.text.add(event)
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if self.feed is not None:
-            if self._dirty and now - self._pushed_at >= 1.0 / self.MAX_RATE:
-                self.feed.push(self.widget)
-                self._pushed_at, self._dirty = now, False
-        elif self.text.due():
-            _write("stdout", f"jupyter_scale: {self.text.line()}\n")
-
-    def finish(self, record: RunRecord) -> None:
-        if self.feed is None:
-            if self.text.last:
-                _write("stdout", f"jupyter_scale: {self.text.line()}  ({time.monotonic() - self._started:.1f} s)\n")
-            return
-        self.feed.finish(record.status, record.error, record.lost_events)
-        self.feed.push(self.widget)
-        if self.handle is None:  # not in a kernel: nothing to update
-            return
-        # Keep a static picture next to the live view: it is what a reopened notebook shows.
-        from .widgets import snapshot_html
-
-        bundle = self.widget._repr_mimebundle_() or {}
-        if isinstance(bundle, tuple):  # (data, metadata)
-            bundle = bundle[0]
-        bundle = dict(bundle)
-        bundle["text/html"] = snapshot_html(self.feed)
-        self.handle.update(bundle, raw=True)
-
-
-def _wants_widget(session: "ScaleSession") -> bool:
-    if session.display != "auto":
-        return session.display == "widget"
-    shell = session.shell
-    in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
-    frontend = "JPY_SESSION_NAME" in os.environ or "VSCODE_PID" in os.environ
-    return in_kernel and frontend
-
-
 def _as_frame(points: list[dict]):
     try:
         import pandas
     except ImportError:
         raise ImportError("history(as_frame=True) needs pandas: pip install pandas") from None
     return pandas.DataFrame(points)
-
-
-def _write(stream: str, text: str) -> None:
-    target = sys.stderr if stream == "stderr" else sys.stdout
-    target.write(text)
-    target.flush()
 
 
 # The name users and the README use. The class is called ScaleSession so that its

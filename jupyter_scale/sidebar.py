@@ -22,7 +22,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import DistributeError
-from .widgets import DashboardFeed
+from .widgets import PALETTE, DashboardFeed
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,7 @@ class SidebarChannel:
             "workers": record.workers,
             "metric": feed.metric,
             "series": feed.series(),
+            "colors": PALETTE,
             "progress": progress,
             "fraction": min(1.0, progress["step"] / total) if total else None,
         }

@@ -18,6 +18,8 @@ import pytest
 
 from conftest import wait_gone
 
+from jupyter_scale.widgets import PALETTE
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = Path(__file__).parent / "screenshots"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -132,6 +134,8 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
         chart = page.locator(".jupyter-scale .js-chart")
         assert chart.locator("polyline[data-series='rank 0']").count() == 1
         assert chart.locator("polyline[data-series='rank 1']").count() == 1
+        assert [chart.locator(f"polyline[data-series='rank {r}']").get_attribute("stroke") for r in (0, 1)] \
+            == PALETTE[:2]  # the palette the kernel sends
         rows = page.locator(".jupyter-scale .js-workers tr[data-rank]")
         assert rows.count() == 2
         assert all("finished" in rows.nth(i).inner_text() for i in range(2))
@@ -164,6 +168,8 @@ def test_sidebar_follows_the_job_interrupts_reattaches_after_reload_and_stops_th
         assert rows.count() == 2
         assert "#1 finished · 100%" in sidebar.locator(".jp-ScalePanel-jobState").inner_text()
         assert sidebar.locator(".jp-ScalePanel-chart polyline").count() == 3  # rank 0, rank 1, mean
+        assert [sidebar.locator(f".jp-ScalePanel-chart polyline[data-series='rank {r}']").get_attribute("stroke")
+                for r in (0, 1)] == PALETTE[:2]
         assert "ipyparallel · 2 workers" in sidebar.locator(".jp-ScalePanel-summary").inner_text()
         assert page.locator(".jp-ScaleStatus").inner_text().startswith("Scale: 2 workers")
         # The sidebar and the cell's dashboard show the same worker processes.

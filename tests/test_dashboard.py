@@ -1,9 +1,11 @@
 """The dashboard widget at the message level (no browser): content, order, rate cap, snapshot."""
 
 import time
+from pathlib import Path
 
-from jupyter_scale.session import RunRecord, _RunView
-from jupyter_scale.widgets import Dashboard, DashboardFeed, snapshot_html
+from jupyter_scale.display import RunView
+from jupyter_scale.session import RunRecord
+from jupyter_scale.widgets import PALETTE, Dashboard, DashboardFeed, snapshot_html
 
 
 def events(n, ranks=(0, 1)):
@@ -53,9 +55,9 @@ class _Session:
 
 
 def test_updates_are_capped_at_ten_a_second_whatever_the_report_rate(monkeypatch):
-    monkeypatch.setattr("jupyter_scale.session._wants_widget", lambda session: True)
+    monkeypatch.setattr("jupyter_scale.display.wants_widget", lambda session: True)
     monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
-    view = _RunView(_Session(), RunRecord(index=1, workers=2), total_steps=None)
+    view = RunView(_Session(), RunRecord(index=1, workers=2), total_steps=None)
     pushes = []
     original = view.feed.push
     view.feed.push = lambda widget: (pushes.append(time.monotonic()), original(widget))
@@ -64,8 +66,8 @@ def test_updates_are_capped_at_ten_a_second_whatever_the_report_rate(monkeypatch
         view.add(e)
         view.tick()
     elapsed = time.monotonic() - started
-    assert len(pushes) <= elapsed * _RunView.MAX_RATE + 2
-    assert all(b - a >= 1 / _RunView.MAX_RATE - 1e-3 for a, b in zip(pushes, pushes[1:]))
+    assert len(pushes) <= elapsed * RunView.MAX_RATE + 2
+    assert all(b - a >= 1 / RunView.MAX_RATE - 1e-3 for a, b in zip(pushes, pushes[1:]))
 
 
 def test_snapshot_shows_each_rank_and_the_final_state():
@@ -90,3 +92,18 @@ def test_a_kernel_with_a_frontend_shows_the_dashboard_and_keeps_a_snapshot(kerne
     assert "text/html" in final and 'data-series="rank 1"' in final["text/html"]
     assert "finished" in final["text/html"]
     assert "jupyter_scale: step" not in out.stdout  # the widget replaces the text lines
+
+
+def test_the_loss_charts_draw_with_one_palette():
+    # The widget, its snapshot and the sidebar all take the kernel's PALETTE; no copy of it
+    # lives in their JavaScript or TypeScript (copies drift apart).
+    root = Path(__file__).resolve().parent.parent
+    sources = [*root.glob("jupyter_scale/**/*.py"), *root.glob("jupyter_scale/widgets/*.js"),
+               *root.glob("labextension/src/*.ts")]
+    holders = [p.relative_to(root).as_posix() for p in sources if PALETTE[1] in p.read_text()]
+    assert holders == ["jupyter_scale/widgets/dashboard.py"]
+    assert Dashboard().colors == PALETTE
+    feed = DashboardFeed(world_size=2, total_steps=None)
+    feed.add({"rank": 1, "step": 0, "time": 0.0, "loss": 1.0})
+    feed.add({"rank": 1, "step": 1, "time": 1.0, "loss": 0.5})
+    assert f'stroke="{PALETTE[0]}"' in snapshot_html(feed)  # the first curve drawn

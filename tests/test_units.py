@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import jupyter_scale
 from jupyter_scale import metrics, rendezvous, training
 from jupyter_scale.errors import RankFailure, RemoteError
-from jupyter_scale.session import _LineLabeler
+from jupyter_scale.display import LineLabeler
 
 
 def test_helpers_are_no_ops_outside_distribute():
@@ -84,7 +84,7 @@ def test_report_records_scalars_with_rank_and_step():
 
 
 def test_line_labels_keep_partial_lines_per_rank():
-    labeler = _LineLabeler()
+    labeler = LineLabeler()
     assert labeler.feed(0, "stdout", "hel") == ""
     assert labeler.feed(1, "stdout", "a\nb") == "[rank 1] a\n"
     assert labeler.feed(0, "stdout", "lo\n") == "[rank 0] hello\n"
@@ -119,18 +119,18 @@ def _lines_run(code, call) -> int:
 def test_one_character_writes_are_each_scanned_once():
     # A process that prints a character at a time (a progress dot per step): each write
     # costs the same, however long the line so far. (Re-scanning it made 20k writes 14 s.)
-    labeler, text = _LineLabeler(), ("x" * 999 + "\n") * 2
+    labeler, text = LineLabeler(), ("x" * 999 + "\n") * 2
     out = []
-    work = _lines_run(_LineLabeler.feed.__code__, lambda: out.extend(labeler.feed(3, "stdout", ch) for ch in text))
+    work = _lines_run(LineLabeler.feed.__code__, lambda: out.extend(labeler.feed(3, "stdout", ch) for ch in text))
     assert "".join(out) == f"[rank 3] {'x' * 999}\n" * 2
     assert work < 20 * len(text), work  # a few lines per write, not a pass over the line
-    labeler = _LineLabeler()
+    labeler = LineLabeler()
     out = [labeler.feed(0, "stdout", ch) for ch in "y" * 20_000]
     assert "".join(out) == "" and labeler.flush() == [("stdout", f"[rank 0] {'y' * 20_000}\n")]
 
 
 def test_a_line_that_never_ends_is_shown_at_64_kb():
-    labeler = _LineLabeler()
+    labeler = LineLabeler()
     assert labeler.feed(1, "stdout", "z" * (64 * 1024 - 1)) == ""
     assert labeler.feed(1, "stdout", "z") == f"[rank 1] {'z' * 64 * 1024}\n"  # shown, and no longer held
     assert labeler.feed(1, "stdout", "rest\n") == "[rank 1] rest\n"

@@ -1,5 +1,4 @@
 // The %%distribute dashboard: state, progress, a loss curve per rank (+ mean), worker table.
-const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
 const SVG = "http://www.w3.org/2000/svg";
 
 // Whole numbers (pids, steps) exactly; measurements to 4 significant digits.
@@ -8,7 +7,7 @@ function fmt(x) {
   return Number.isInteger(x) ? x.toString() : Number(x.toPrecision(4)).toString();
 }
 
-function chart(svg, series, metric) {
+function chart(svg, series, metric, colors) {
   svg.replaceChildren();
   const [w, h, pad] = [420, 160, 28];
   const pts = Object.values(series).flat();
@@ -20,7 +19,7 @@ function chart(svg, series, metric) {
     const line = document.createElementNS(SVG, "polyline");
     line.setAttribute("fill", "none");
     line.setAttribute("stroke-width", "1.5");
-    line.setAttribute("stroke", name === "mean" ? "#000" : COLORS[i % COLORS.length]);
+    line.setAttribute("stroke", name === "mean" ? "#000" : colors[i % colors.length]);
     if (name === "mean") line.setAttribute("stroke-dasharray", "4 3");
     line.dataset.series = name === "mean" ? "mean" : `rank ${name}`;
     line.setAttribute("points", curve.map(([s, v]) =>
@@ -52,7 +51,7 @@ function render({ model, el }) {
     text += ` · ${fmt(p.elapsed ?? 0)} s`;
     if (lost) text += ` · ${lost} points lost`;
     q(".js-progress").textContent = text;
-    chart(q(".js-chart"), model.get("series"), model.get("metric"));
+    chart(q(".js-chart"), model.get("series"), model.get("metric"), model.get("colors"));
     const cols = ["rank", "host", "pid", "device", "state", "last_step", "steps_per_s", "memory"];
     const head = "<tr>" + ["rank", "host", "pid", "device", "state", "last step", "steps/s", "memory"]
       .map(c => `<th>${c}</th>`).join("") + "</tr>";

@@ -20,6 +20,11 @@ MAX_POINTS = 400  # per rank on the chart; the full history stays in the kernel
 _META = ("rank", "step", "time", "epoch", "kind")
 
 
+# The ranks' curves, rank by rank in turn: the one palette of the loss charts (this widget,
+# its static snapshot and the JupyterLab sidebar all get it from here).
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+
+
 class Dashboard(anywidget.AnyWidget):
     _esm = pathlib.Path(__file__).with_name("dashboard.js")
     _css = pathlib.Path(__file__).with_name("dashboard.css")
@@ -31,6 +36,7 @@ class Dashboard(anywidget.AnyWidget):
     progress = traitlets.Dict().tag(sync=True)  # step, total, epoch, rate, eta, elapsed
     workers = traitlets.List().tag(sync=True)  # one row per rank
     lost = traitlets.Int(0).tag(sync=True)
+    colors = traitlets.List(PALETTE).tag(sync=True)
 
 
 class DashboardFeed:
@@ -120,9 +126,6 @@ def _downsample(curve: list[list[float]], limit: int = MAX_POINTS) -> list[list[
     return [list(p) for p in picked]
 
 
-_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-
-
 def snapshot_html(feed: DashboardFeed) -> str:
     """The dashboard as static HTML + SVG (what the notebook keeps once the kernel is gone)."""
     series = feed.series()
@@ -136,7 +139,7 @@ def snapshot_html(feed: DashboardFeed) -> str:
         sy = (height - 2 * pad) / ((y1 - y0) or 1)
         for i, (name, curve) in enumerate(series.items()):
             xy = " ".join(f"{pad + (s - x0) * sx:.1f},{height - pad - (v - y0) * sy:.1f}" for s, v in curve)
-            style = 'stroke="#000" stroke-dasharray="4 3"' if name == "mean" else f'stroke="{_COLORS[i % 8]}"'
+            style = 'stroke="#000" stroke-dasharray="4 3"' if name == "mean" else f'stroke="{PALETTE[i % len(PALETTE)]}"'
             label = "mean" if name == "mean" else f"rank {name}"
             lines.append(f'<polyline data-series="{label}" fill="none" stroke-width="1.5" {style} points="{xy}"/>')
         lines.append(f'<text x="{pad}" y="14" font-size="11">{html.escape(feed.metric)} '

@@ -33,6 +33,7 @@ export interface IJob {
   workers: number;
   metric: string;
   series: { [name: string]: number[][] };
+  colors: string[]; // the ranks' curves in turn
   progress: { step: number; total?: number; rate?: number; eta?: number; elapsed?: number; epoch?: number };
   fraction: number | null;
 }

@@ -15,7 +15,6 @@ export const scaleIcon = new LabIcon({
     '<rect x="17" y="2" width="5" height="20" rx="1"/></g></svg>'
 });
 
-const COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f'];
 
 function el<K extends keyof HTMLElementTagNameMap>(
   tag: K,
@@ -178,7 +177,7 @@ export class ScalePanel extends Widget {
       const line = document.createElementNS(ns, 'polyline');
       line.setAttribute('data-series', name === 'mean' ? 'mean' : `rank ${name}`);
       line.setAttribute('fill', 'none');
-      line.setAttribute('stroke', name === 'mean' ? 'var(--jp-ui-font-color1)' : COLORS[i % COLORS.length]);
+      line.setAttribute('stroke', name === 'mean' ? 'var(--jp-ui-font-color1)' : job.colors[i % job.colors.length]);
       line.setAttribute('stroke-width', '1.5');
       if (name === 'mean') {
         line.setAttribute('stroke-dasharray', '4 3');
