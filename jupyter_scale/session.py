@@ -23,7 +23,7 @@ import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import display, launchers, metrics, rendezvous, sharedmem, shipping, worker
+from . import display, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
 from .backends import Backend, Job, create_backend, descendants, describe_exit, end_processes
 from .errors import (CellTimeout, ClusterError, DistributeError, RankFailure, RemoteError, WorkerCallFailed,
                      WorkerDied, WorkerLost)
@@ -574,7 +574,7 @@ class ScaleSession(LoggingConfigurable):
         shipment = self.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
         if shipment.replaced:
-            print(f"jupyter_scale: the notebook's {_listed(shipment.replaced)} replace"
+            print(f"jupyter_scale: the notebook's {pullback.listed(shipment.replaced)} replace"
                   f"{'s' if len(shipment.replaced) == 1 else ''} the workers' own (set by an earlier "
                   "%%distribute cell; the notebook changed it since)", file=sys.stderr, flush=True)
         # The notebook's models the cell uses, also through the notebook functions it calls.
@@ -1021,90 +1021,13 @@ class ScaleSession(LoggingConfigurable):
             log.debug("abort request through the store failed", exc_info=True)
 
     def _apply_pulls(self, header: dict, frames: tuple, record: RunRecord) -> None:
-        at = 0
-        held = None
-        kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
-        if kept:
-            print(f"jupyter_scale: {_listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "
-                  "(--keep-sharded); the notebook's holds the weights from before the cell", file=sys.stderr,
-                  flush=True)
-        for names, kind, count in header.get("pulled", []):
-            if kind == "kept":
-                continue
-            if kind != "sharded":  # a sharded model's `count` is the plan of its state dict, not frames
-                stream, buffers = frames[at], frames[at + 1: at + count]
-                at += count
-            try:
-                if kind == "sharded":
-                    self._pull_sharded(names[0], count)
-                    values = {}
-                elif kind == "state_dict":
-                    # Copied into the notebook's model at once: no copy before.
-                    value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
-                    _check_state_dict(self.namespace[names[0]], value)  # all or nothing
-                    with torch.no_grad():
-                        self.namespace[names[0]].load_state_dict(value)
-                    values = {}
-                else:
-                    # The tensors the notebook sent are written into the notebook's own.
-                    held = self.shipper.held_tensors() if held is None else held
-                    values = shipping.loads(stream, buffers, namespace=self.namespace, held=held)
-                    self.namespace.update(values)
-            except Exception as exc:  # e.g. the architecture changed, or a class is missing here
-                print(f"jupyter_scale: could not pull {_listed(names)} back: {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)
-                continue
-            for name in names:
-                record.pulled.append(name)
-                # The notebook now holds what the workers hold: don't send it back unchanged.
-                self.shipper.mark_synced(name, self.namespace[name])
-        for name, problem in header.get("pull_errors", {}).items():
-            print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
+        pullback.Puller(self.namespace, self.shipper, self.backend, self.pull_chunk_bytes, self.start_timeout,
+                        self._abandon_pull).apply(header, frames, record)
 
-    def _pull_sharded(self, name: str, plan: list) -> None:
-        """Copy a sharded model's trained weights into the notebook's model, a chunk of
-        whole tensors at a time (at most `pull_chunk_bytes`, or one tensor if larger):
-        every rank gathers the chunk's shards, rank 0 sends it, the kernel copies it in
-        place. Neither the kernel nor any rank holds a second whole copy of the model."""
-        module = self.namespace[name]
-        targets = module.state_dict(keep_vars=True)
-        wanted = {key: (shape, dtype) for key, shape, dtype, _, _ in plan}
-        mismatched = sorted(k for k in wanted.keys() | targets.keys() if k not in wanted or k not in targets
-                            or (list(targets[k].shape), str(targets[k].dtype)) != wanted[k])
-        if mismatched:  # checked before anything is written: all or nothing
-            raise ValueError(f"the notebook's {name} and the workers' differ at {_listed(mismatched[:5])}")
-        chunks: list[list[str]] = [[]]
-        size = 0
-        for key, _, _, nbytes, alias in plan:
-            if alias is not None:
-                continue  # tied to an earlier key: the same tensor
-            if chunks[-1] and size + nbytes > self.pull_chunk_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(key)
-            size += nbytes
-        written = 0
-        for keys in chunks:
-            job = self.backend.submit(worker.whole_tensors, name, keys)
-            try:
-                answers = job.wait(self.start_timeout)
-            except BaseException as exc:
-                self._stop_abandoned(job)
-                self._group_ready, self._resync = False, True
-                raise RuntimeError(f"{exc}; {written} of {sum(len(c) for c in chunks)} of its tensors were written: the notebook's "
-                                   f"{name} is partly updated (the workers still hold the trained model)") from None
-            finally:
-                job.release()
-            values = shipping.loads(answers[0][1], answers[0][2:], copy=False, namespace=self.namespace)
-            with torch.no_grad():
-                for key, value in values.items():
-                    targets[key].copy_(value)
-            written += len(keys)
-            del values, answers
-        with torch.no_grad():
-            for key, _, _, _, alias in plan:  # tied on the workers: tied in the notebook too, or copied
-                if alias is not None and targets[key] is not targets[alias]:
-                    targets[key].copy_(targets[alias])
+    def _abandon_pull(self, job: Job) -> None:
+        """A pull of a sharded model failed half-way: stop its ranks, form the group anew."""
+        self._stop_abandoned(job)
+        self._group_ready, self._resync = False, True
 
     def gather(self, name: str) -> list:
         """Every rank's value of worker variable `name`, in rank order."""
@@ -1124,30 +1047,6 @@ class ScaleSession(LoggingConfigurable):
         DataFrame with `as_frame=True`."""
         points = list(self.runs[-1].metrics) if self.runs else []
         return _as_frame(points) if as_frame else points
-
-
-def _check_state_dict(module: torch.nn.Module, state: dict) -> None:
-    """Raise, naming the first difference, unless `state` fits `module` exactly (keys,
-    shapes, dtypes): load_state_dict would copy every tensor that fits before raising on
-    one that does not, leaving the notebook's model half rank 0's."""
-    own = module.state_dict()
-    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    if missing or unexpected:
-        raise ValueError(f"the workers' model has {'no ' + repr(missing[0]) if missing else repr(unexpected[0])} "
-                         f"({len(missing)} missing, {len(unexpected)} unexpected entries); the notebook's model "
-                         "is unchanged")
-    for key, tensor in own.items():
-        theirs = state[key]
-        if not isinstance(tensor, torch.Tensor):  # a module's extra state: its own to check
-            continue
-        if not isinstance(theirs, torch.Tensor) or theirs.shape != tensor.shape or theirs.dtype != tensor.dtype:
-            got = f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs).__name__
-            raise ValueError(f"{key!r} is {got} on the workers, {tuple(tensor.shape)} {tensor.dtype} here; "
-                             "the notebook's model is unchanged")
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names)
 
 
 def _where(where: dict) -> str:
