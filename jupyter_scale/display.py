@@ -14,7 +14,8 @@ from . import metrics
 from .backends import Output
 
 if TYPE_CHECKING:
-    from .session import RunRecord, ScaleSession
+    from .run import RunRecord
+    from .session import ScaleSession
 
 _LINE_END = re.compile(r"[\r\n]")  # what ends a segment of a rank's output
 

@@ -17,7 +17,7 @@ from . import shipping, worker
 from .backends import Backend, Job
 
 if TYPE_CHECKING:
-    from .session import RunRecord
+    from .run import RunRecord
 
 
 @dataclass

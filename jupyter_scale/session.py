@@ -10,85 +10,21 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from . import display, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
-from .backends import Backend, Job, create_backend, descendants, describe_exit, end_processes
-from .errors import (CellTimeout, ClusterError, DistributeError, RankFailure, RemoteError, WorkerCallFailed,
-                     WorkerDied, WorkerLost)
+from .backends import Backend, Job, create_backend, descendants, end_processes
+from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
+from .run import CellRun, RunRecord, interrupts_noted
 
 log = logging.getLogger(__name__)
-# Seconds between looks at a Slurm job under a running cell (one squeue call each).
-ALLOCATION_CHECK_S = 2.0
-
-
-@dataclass
-class RunRecord:
-    """What one %%distribute cell did; `Session.runs` keeps them."""
-
-    index: int
-    workers: int
-    execution_count: int | None = None  # the notebook's In [n] of the cell, when there is one
-    shipped: dict[str, int] = field(default_factory=dict)  # name -> bytes sent
-    skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
-    pulled: list[str] = field(default_factory=list)
-    metrics: list[dict] = field(default_factory=list)
-    states: list[dict] = field(default_factory=list)  # workers' state changes, in arrival order
-    lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)
-    status: str = "running"  # running, finished, failed, interrupted, timed out
-    error: str = ""
-    failed_rank: int | None = None  # the rank the error blames
-    started: float = field(default_factory=time.time)
-    elapsed: float = 0.0
-
-    @property
-    def bytes_shipped(self) -> int:
-        return sum(self.shipped.values())
-
-
-class _Interrupts:
-    """SIGINTs noted while a cell runs, and how many the wait loop has acted on."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.handled = 0
-
-
-@contextmanager
-def _interrupts_noted() -> Iterator[_Interrupts]:
-    """While a cell runs, the notebook's interrupt (SIGINT) is noted, not raised.
-
-    A KeyboardInterrupt can leave the kernel's code at any line: two interrupts 0.3 ms
-    apart escaped the wait loop's handler, and the ranks ran on unseen while the next cell
-    wrote the frames they read. Noted, the wait loop stops every rank for it, and pulls
-    are applied whole. Off the main thread no signal arrives, and nothing changes.
-    """
-    interrupts = _Interrupts()
-    if threading.current_thread() is not threading.main_thread():
-        yield interrupts
-        return
-
-    def note(signum, frame) -> None:
-        interrupts.count += 1
-
-    previous = signal.signal(signal.SIGINT, note)
-    try:
-        yield interrupts
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-
-
 class ScaleSession(LoggingConfigurable):
     """The kernel's handle on its cluster and the cells it distributes."""
 
@@ -166,11 +102,9 @@ class ScaleSession(LoggingConfigurable):
         self._helpers: set = set()  # processes the cluster's own processes started (psutil)
         self._group_ready = False
         self._network_noted = False  # said once per cluster that gloo across hosts is unencrypted
-        self._user_interrupted = False
         self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
-        self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat in the running cell
-        self._heard: dict[int, float] = {}  # rank -> when (monotonic) the kernel last heard from it
+        self._cell: CellRun | None = None  # the running (or last) cell's wait
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
         # of starting one; restarts re-attach, stop() forgets it.
@@ -200,6 +134,11 @@ class ScaleSession(LoggingConfigurable):
     @property
     def running(self) -> bool:
         return self.backend is not None and self.backend.running
+
+    @property
+    def beats(self) -> dict[int, dict]:
+        """Each rank's latest heartbeat in the running (or last) cell: where it is, e.g. in which collective."""
+        return self._cell.beats if self._cell is not None else {}
 
     @property
     def size(self) -> int:
@@ -607,12 +546,13 @@ class ScaleSession(LoggingConfigurable):
         }
         view = display.RunView(self, record, steps)
         self._notify("run_started", record, steps)
-        with _interrupts_noted() as interrupts:
+        with interrupts_noted() as interrupts:
             frames, request["shared_frames"] = self._pack_frames(shipment)
             job = self.backend.submit(worker.run_cell, request, *frames)
+            self._cell = cell = CellRun(self, job, record, view, timeout, interrupts)
             answered = False
             try:
-                headers, frames_back, error, lost = self._wait(job, record, timeout, view, interrupts)
+                headers, frames_back, error, lost = cell.wait()
                 answered = True
             except BaseException as exc:
                 # Whatever ended the wait early (an engine's error, a bug): no rank may run
@@ -627,7 +567,7 @@ class ScaleSession(LoggingConfigurable):
                 self._done_with_frames(answered)
             # Pull-back and buffer sync are not cut half-way by an interrupt either.
             with sharedmem.unpacked(frames_back.get(0, ()), headers.get(0, {}).get("shared_frames")) as frames_back[0]:
-                self._end_run(record, view, headers, frames_back, error, lost, shipment, plan, manual)
+                self._end_run(cell, headers, frames_back, error, lost, shipment, plan, manual)
         if interrupts.count > interrupts.handled:
             raise KeyboardInterrupt("interrupted as the cell ended: it had finished on every rank, "
                                     "and the notebook holds its results")
@@ -680,9 +620,9 @@ class ScaleSession(LoggingConfigurable):
                 log.warning("shared memory failed (%s); sending through %s", exc, self.backend_name)
         return shipment.frames, None
 
-    def _end_run(self, record: RunRecord, view: "display.RunView", headers: dict, frames_back: dict,
-                 error: RemoteError | None, lost: list, shipment: shipping.Shipment, plan: shipping.Plan,
-                 manual: bool) -> None:
+    def _end_run(self, cell: CellRun, headers: dict, frames_back: dict, error: RemoteError | None, lost: list,
+                 shipment: shipping.Shipment, plan: shipping.Plan, manual: bool) -> None:
+        record, view = cell.record, cell.view
         record.elapsed = time.time() - record.started
         record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
 
@@ -706,7 +646,7 @@ class ScaleSession(LoggingConfigurable):
                              else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
             record.error, record.failed_rank = str(error), error.rank
             self._finish_run(view, record)
-            if record.status == "interrupted" and self._user_interrupted:
+            if record.status == "interrupted" and cell.user_interrupted:
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
                                         "and are ready for the next cell")
             raise error
@@ -747,30 +687,6 @@ class ScaleSession(LoggingConfigurable):
             self.events = self._require_backend().open_events()
         return self.events
 
-    def _take_events(self, record: RunRecord, view: "display.RunView") -> None:
-        heard = time.monotonic()
-        for event in self.events.drain() if self.events is not None else ():
-            kind = event.get("kind")
-            self._heard[event["rank"]] = heard
-            self._notify("event", event)
-            if kind == "heartbeat":
-                self._beats[event["rank"]] = event
-                continue
-            if kind == "state":
-                record.states.append(event)
-            elif kind is None:  # a report() point
-                record.metrics.append(event)
-            view.add(event)
-
-    def _collect_last_events(self, headers: dict[int, dict], record: RunRecord, view: "display.RunView") -> None:
-        """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
-        expected = {r: h.get("events_sent", 0) for r, h in headers.items()}
-        if self.events is not None:
-            self.events.wait_for(expected, timeout=2.0)
-        self._take_events(record, view)
-        missing = sum(max(0, n - self.events.received[r]) for r, n in expected.items()) if self.events else 0
-        record.lost_events = missing + sum(h.get("events_dropped", 0) for h in headers.values())
-
     def _transform(self, code: str) -> str:
         if self.shell is not None:
             # IPython syntax (magics, !shell) becomes plain Python, as in a normal cell.
@@ -789,225 +705,8 @@ class ScaleSession(LoggingConfigurable):
         """Not a name the workers set themselves, a dunder, or IPython's own."""
         return name not in worker.INJECTED_NAMES and not name.startswith("__") and not _is_ipython_internal(name)
 
-    def _wait(self, job: Job, record: RunRecord, timeout: float | None, view: "display.RunView",
-              interrupts: "_Interrupts | None" = None):
-        """Stream output until every rank answered; stop the others after a failure.
-
-        Returns each rank's header and frames, the cell's error (None if every rank
-        succeeded; else RemoteError, WorkerDied or CellTimeout) and the ranks whose
-        worker was lost.
-        """
-        backend = self.backend
-        labeler = display.LineLabeler()
-        headers: dict[int, dict] = {}
-        frames_back: dict[int, tuple] = {}
-        failures: list[RankFailure] = []
-        lost: list[int] = []
-        started = time.monotonic()
-        first_failure: float | None = None
-        interrupted_at: float | None = None
-        abort_requested = False
-        self._user_interrupted = False
-        interrupt_sent = 0.0
-        timed_out = False
-        self._beats: dict[int, dict] = {}
-        self._heard = {}
-        warned_at = time.monotonic()
-        allocation_checked = time.monotonic()
-
-        def stop_running(reason: str) -> None:
-            nonlocal interrupted_at
-            running = [r for r in job.ranks if r not in headers and r not in lost]
-            if running and interrupted_at is None:
-                log.info("interrupting ranks %s: %s", running, reason)
-                backend.interrupt(running, self._run_id())
-                # A rank blocked inside a collective does not see SIGINT until it
-                # returns: ranks that already finished cut their connections, which
-                # makes that collective fail.
-                finished = [r for r in headers if r not in lost]
-                if finished:  # fire and forget: the reply is tiny
-                    backend.submit(worker.leave_group, ranks=finished)
-                interrupted_at = time.monotonic()
-
-        interrupts = interrupts or _Interrupts()
-
-        def kernel_interrupt() -> None:
-            # The user interrupted the kernel: pass it on to every rank, keep waiting
-            # (bounded by stop_deadline) so they are reusable afterwards.
-            nonlocal interrupt_sent
-            interrupts.handled = interrupts.count
-            if not self._user_interrupted:
-                self._user_interrupted = True
-                interrupt_sent = time.time()
-                print("jupyter_scale: interrupting the workers ...", file=sys.stderr, flush=True)
-            stop_running("kernel interrupt")
-
-        while True:
-            try:
-                if interrupts.count > interrupts.handled:
-                    kernel_interrupt()
-                display.emit(job.new_output(), labeler)
-                self._take_events(record, view)
-                view.tick()
-                self._notify("tick")
-                for rank in job.ranks:
-                    if rank in headers or rank in lost or not job.done(rank):
-                        continue
-                    try:
-                        header, *rest = job.result(rank)
-                    except WorkerLost as exc:
-                        lost.append(rank)
-                        how = self._how_it_died(rank) if not isinstance(exc, WorkerCallFailed) else ""
-                        if len({w["node"] for w in self.workers}) > 1:  # which host, where there are several
-                            how += f" (host {self.workers[rank]['hostname']})"
-                        failures.append(RankFailure(rank, type(exc).__name__, f"{exc}{how}", "", time.time(),
-                                                    lost=True, cause=exc))
-                        first_failure = first_failure or time.monotonic()
-                        continue
-                    headers[rank], frames_back[rank] = header, tuple(rest)
-                    if header["status"] == "error":
-                        failures.append(RankFailure(**header["failure"]))
-                        first_failure = first_failure or time.monotonic()
-                if len(headers) + len(lost) == len(job.ranks):
-                    break
-                now = time.monotonic()
-                if self.placement is not None and now - allocation_checked > ALLOCATION_CHECK_S:
-                    # A cancelled or timed-out job: its workers may take Slurm's KillWait to die.
-                    allocation_checked = now
-                    ended = self.placement.ended()
-                    for rank in ([r for r in job.ranks if r not in headers and r not in lost] if ended else []):
-                        lost.append(rank)
-                        exc = WorkerLost(rank, ended)
-                        failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True,
-                                                    cause=exc))
-                        first_failure = first_failure or now
-                for rank in self._gone_silent(job, headers, lost, now):
-                    lost.append(rank)
-                    exc = WorkerLost(rank, f"nothing heard from it (host {self.workers[rank]['hostname']}) for "
-                                           f"{self._silence_s():g} s: its host left the network, or the process hangs")
-                    failures.append(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True, cause=exc))
-                    first_failure = first_failure or now
-                if first_failure is None and interrupted_at is None:
-                    warned_at = self._warn_if_waiting(
-                        [r for r in job.ranks if r not in headers and r not in lost], warned_at)
-                if first_failure is not None and now - first_failure > self.abort_grace:
-                    stop_running("another rank failed")
-                if timeout is not None and now - started > timeout and interrupted_at is None:
-                    timed_out = True
-                    silent = [r for r in job.ranks if r not in headers and r not in lost]
-                    print(f"jupyter_scale: --timeout {timeout:g} s reached; stopping ranks {silent}",
-                          file=sys.stderr, flush=True)
-                    stop_running("timeout")
-                if interrupted_at is not None and not abort_requested and now - interrupted_at > self.abort_grace:
-                    # Still running after SIGINT: ranks blocked in a collective among
-                    # themselves. Their watch threads cut the group when asked.
-                    abort_requested = True
-                    self._request_abort()
-                if interrupted_at is not None and now - interrupted_at > self.stop_deadline:
-                    stuck = [r for r in job.ranks if r not in headers and r not in lost]
-                    self._group_ready = False
-                    said = f"did not stop within {self.stop_deadline:g} s of being interrupted"
-                    if not lost:
-                        self._lost_workers = stuck  # the next cell replaces them
-                        raise ClusterError(f"ranks {stuck} {said}; the next %%distribute restarts the workers")
-                    # Stuck with the lost workers (e.g. in a collective with a host that left
-                    # the network): the lost ones are the cause; the next cell replaces both.
-                    for rank in stuck:
-                        lost.append(rank)
-                        failures.append(RankFailure(rank, "WorkerLost", said, "", time.time(), lost=True,
-                                                    interrupted=True))
-                    break
-                job.wait_activity(self.poll_interval)
-            except KeyboardInterrupt:  # off the main thread, where SIGINT is not noted
-                interrupts.count += 1
-        display.emit(job.new_output(), labeler)
-        for stream, text in labeler.flush():
-            display.write(stream, text)
-        self._collect_last_events(headers, record, view)
-        if record.lost_events:
-            display.write("stderr", f"jupyter_scale: {record.lost_events} reported points did not reach the kernel\n")
-        if self._user_interrupted and not lost:
-            for f in failures:
-                # The interrupt stopped every rank; a rank freed from a collective by a peer
-                # that stopped first fails with gloo's "connection closed" instead of a
-                # KeyboardInterrupt. Only an error raised before the interrupt, outside a
-                # collective, is the cell's own.
-                if f.collective is not None or f.time >= interrupt_sent - 0.05:
-                    f.interrupted = True
-        if not failures:
-            error = None
-        elif timed_out:
-            error = CellTimeout(failures, timeout=timeout,
-                                finished=[r for r, h in headers.items() if h["status"] == "ok"])
-        elif lost:
-            error = WorkerDied(failures)
-            if self.placement is not None and self.placement.name == "slurm":
-                error.hint = ("The workers' Slurm job is gone: the next %%distribute submits a new one (worker "
-                              "variables are lost; notebook variables are intact), or run %scale restart.")
-        else:
-            error = RemoteError(failures)
-        return headers, frames_back, error, lost
-
     def _run_id(self) -> str | None:
         return self.events.run if self.events is not None else None
-
-    def _gone_silent(self, job: Job, headers: dict, lost: list[int], now: float) -> list[int]:
-        """Running ranks that said nothing (no heartbeat, point or state) for silence_limit s.
-
-        The engine's own word on a host that left the network can take minutes (a Dask
-        scheduler waits for its worker's TTL, TCP for its retries); each rank's heartbeat
-        says within seconds. Counted from a rank's first word: before it, the rank may still
-        be receiving the cell's values.
-        """
-        if not self.silence_limit:
-            return []
-        return [r for r in job.ranks if r not in headers and r not in lost and r in self._heard
-                and now - self._heard[r] > self._silence_s() and not job.done(r)]
-
-    def _silence_s(self) -> float:
-        # Never less than two heartbeats and then some, whatever the two are set to.
-        return max(self.silence_limit, 2 * self.heartbeat_interval + 2)
-
-    def _how_it_died(self, rank: int, wait: float = 2.0) -> str:
-        """' (its process was killed by SIGKILL)', when the engine can tell.
-
-        The engine may notice the lost worker before the process's status is read, so
-        this waits a little for it.
-        """
-        pid = self.workers[rank].get("pid") if rank < len(self.workers) else None
-        ended = self.placement.ended() if self.placement is not None else None
-        if ended:
-            return f" ({ended})"
-        if pid is None or not self.backend.owns_cluster:  # another host's process: unknowable
-            return ""
-        deadline = time.monotonic() + wait
-        while (code := self.backend.exit_code(pid)) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        how = describe_exit(code)
-        return f" (its process {pid} {how})" if how else ""
-
-    def _warn_if_waiting(self, ranks_running: list[int], warned_at: float) -> float:
-        """Name the ranks others wait for; returns when it last warned."""
-        if not self.hang_warning or time.monotonic() - warned_at < self.hang_warning:
-            return warned_at
-        now = time.time()
-        beats = {r: self._beats.get(r) for r in ranks_running}
-        waiting = {r: b for r, b in beats.items() if b and b.get("collective")
-                   and now - b["since"] >= self.hang_warning}
-        if not waiting:
-            return warned_at
-        absent = [r for r, b in beats.items() if not (b and b.get("collective"))]
-        silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * self.heartbeat_interval + 2]
-        if not absent and not silent:
-            return warned_at  # everyone is in a collective: slow, not stuck on one rank
-        longest = max(now - b["since"] for b in waiting.values())
-        where = ", ".join(sorted({b["collective"] for b in waiting.values()}))
-        line = (f"jupyter_scale: rank(s) {sorted(waiting)} have waited {longest:.0f} s in {where}; "
-                f"rank(s) {sorted(set(absent) | set(silent))} are not in it")
-        if silent:
-            line += f" (no heartbeat from rank(s) {sorted(silent)}: hung or overloaded)"
-        display.write("stderr", line + ". Interrupt the kernel to stop every rank, or use --timeout.\n")
-        return time.monotonic()
 
     def _request_abort(self) -> None:
         if not self.group:

@@ -181,7 +181,7 @@ class SidebarChannel:
                     row[key] = fed[key]
             if running:
                 row["state"] = fed.get("state", "starting")
-                beat = self.session._beats.get(rank) or {}
+                beat = self.session.beats.get(rank) or {}
                 if row["state"] == "running" and beat.get("collective"):
                     row["state"] = "in collective"
                     row["collective"] = beat["collective"]

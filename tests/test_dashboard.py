@@ -4,7 +4,7 @@ import time
 from pathlib import Path
 
 from jupyter_scale.display import RunView
-from jupyter_scale.session import RunRecord
+from jupyter_scale.run import RunRecord
 from jupyter_scale.widgets import PALETTE, Dashboard, DashboardFeed, snapshot_html
 
 

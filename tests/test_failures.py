@@ -426,15 +426,15 @@ def test_an_error_in_the_kernels_wait_stops_every_rank_before_the_cell_fails(ker
     # Not an interrupt: anything else that ends the kernel's wait early (here a fault put
     # into the kernel's event handling) must not leave the ranks running on unseen.
     kernel.ok("""
-s = jupyter_scale.get_session()
-real_take_events = s._take_events
+from jupyter_scale.run import CellRun
+real_take_events = CellRun.take_events
 calls = []
 def failing_take_events(*args):
     calls.append(1)
     if len(calls) == 20:
         raise RuntimeError("a fault in the kernel")
     return real_take_events(*args)
-s._take_events = failing_take_events
+CellRun.take_events = failing_take_events
 """)
     try:
         out = kernel.cell("""%%distribute
@@ -443,7 +443,7 @@ for progress in range(400):
     time.sleep(0.05)
 """, timeout=90)
     finally:
-        kernel.ok("s._take_events = real_take_events")
+        kernel.ok("CellRun.take_events = real_take_events")
     assert out.error is not None and "a fault in the kernel" in out.error_text, out.error_text
     out = kernel.ok("%%distribute\nassert progress < 399, progress\nprint('stopped at', progress)")
     assert "[rank 0] stopped at" in out.stdout and "[rank 1] stopped at" in out.stdout

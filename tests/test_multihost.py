@@ -106,7 +106,7 @@ def test_a_group_of_two_hosts_trains_the_readmes_loop_like_one(multihost):
     assert "points did not reach" not in out.stderr, out.stderr
     # Each rank's states and heartbeats came from its host too.
     states = k.value("sorted((s['rank'], s['state'], s.get('host')) for s in jupyter_scale.get_session().runs[-1].states)")
-    beats = k.value("sorted(jupyter_scale.get_session()._beats)")
+    beats = k.value("sorted(jupyter_scale.get_session().beats)")
     k.ok("jupyter_scale.get_session().heartbeat_interval = 5.0")
     k.ok(SAME_WEIGHTS.format(n=4))
     # Each host has its own /dev/shm: values went through the engine.
