@@ -10,7 +10,6 @@ package. The real-cluster tests stay the proof that engines behave so.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import socket
@@ -73,41 +72,30 @@ Script = Callable[[Rank], Any]
 
 class FakeJob(Job):
     def __init__(self, ranks: list[int]):
-        self.ranks = ranks
+        super().__init__(ranks)
         self._answers: dict[int, Any] = {}
         self._errors: dict[int, BaseException] = {}
-        self._outputs: collections.deque = collections.deque()
-        self._activity = threading.Event()
-        self.rank_views: dict[int, Rank] = {}
 
     def output(self, out: Output) -> None:
-        self._outputs.append(out)
-        self._activity.set()
+        self.accept_output([out])
 
     def finish(self, rank: int, answer: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
             self._errors[rank] = error
         else:
             self._answers[rank] = answer
-        self._activity.set()
+        self.notify()
 
-    def done(self, rank: int) -> bool:
+    def _replied(self, rank: int) -> bool:
         return rank in self._answers or rank in self._errors
+
+    def _worker_gone(self, rank: int) -> bool:
+        return False  # a dying fake worker answers with WorkerLost at once
 
     def result(self, rank: int) -> Any:
         if rank in self._errors:
             raise self._errors[rank]
         return self._answers[rank]
-
-    def new_output(self) -> list[Output]:
-        out = []
-        while self._outputs:
-            out.append(self._outputs.popleft())
-        return out
-
-    def wait_activity(self, timeout: float) -> None:
-        self._activity.wait(timeout)
-        self._activity.clear()
 
 
 class FakeBackend(Backend):

@@ -16,7 +16,6 @@ KeyboardInterrupt in the cell's thread (`worker.interrupt_cell`).
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import logging
 import os
@@ -26,9 +25,7 @@ import tempfile
 import sys
 import threading
 import time
-import types
 import uuid
-from collections import deque
 from typing import Any, Callable
 
 import dask
@@ -36,22 +33,19 @@ import psutil
 from distributed import Client, LocalCluster, Nanny, get_worker
 from distributed.security import Security
 
-from .. import metrics, worker
+from .. import capture, metrics, worker
 from ..errors import ClusterError
 from ..launchers import Launcher, SlurmLauncher
-from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
+from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
 
 log = logging.getLogger(__name__)
 
-# How long a rank's output may trail its result before the rank counts as done anyway.
-OUTPUT_GRACE_S = 2.0
 # Seconds between checks of which workers the scheduler still has (a dead worker's pinned
 # task would wait for it forever: the kernel must notice the worker is gone).
 LIVENESS_INTERVAL_S = 0.25
 # Arguments bigger than this travel once, to rank 0's worker; the others fetch them from
 # there (worker to worker), so the kernel sends a model once whatever the cluster size.
 SCATTER_MIN_BYTES = 1 << 20
-OUTPUT_INTERVAL_S = 0.05
 CLIENT_SEND_INTERVAL_S = 0.001
 TOPIC_SCHEME = "dask-topic"
 # Dask's logs for debugging (see DaskBackend.start), short: they hold output and arguments.
@@ -119,110 +113,13 @@ class _Payload:
         return (_Payload, (frames,))
 
 
-class _OutputPump:
-    """Sends what a call prints to the kernel, every 50 ms and when the call ends."""
-
-    def __init__(self, dask_worker, topic: str, job: str, rank: int):
-        self._worker, self._topic, self._job, self._rank = dask_worker, topic, job, rank
-        self._parts: list[list[str]] = []
-        self._lock = threading.RLock()  # send() holds it while add() may be called from a print in Dask code
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jupyter_scale-output", daemon=True)
-        self._thread.start()
-        self.stdout, self.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
-
-    def add(self, stream: str, text: str) -> None:
-        with self._lock:
-            if self._parts and self._parts[-1][0] == stream:
-                self._parts[-1][1] += text
-            else:
-                self._parts.append([stream, text])
-
-    def add_display(self, data: dict, metadata: dict) -> None:
-        with self._lock:
-            self._parts.append(["display", data, metadata or {}])
-
-    def send(self, end: bool = False) -> None:
-        # Under the lock from taking the parts to handing them to Dask: batches stay in order
-        # whichever thread (the pump's, the call's) sends them.
-        with self._lock:
-            parts, self._parts = self._parts, []
-            if not parts and not end:
-                return
-            message = {"job": self._job, "rank": self._rank, "parts": parts, "end": end}
-            try:
-                self._worker.log_event(self._topic, message)
-            except TypeError:  # a display bundle Dask's msgpack cannot carry: say so, keep the text
-                parts = [p if p[0] != "display" else ["stderr", "jupyter_scale: a display() output could "
-                                                      "not be sent from this worker\n"] for p in parts]
-                self._worker.log_event(self._topic, dict(message, parts=parts))
-
-    def _run(self) -> None:
-        while not self._stop.wait(OUTPUT_INTERVAL_S):
-            self.send()
-
-    def close(self) -> None:
-        # The call's thread sends the rest itself: no waiting for the pump's thread, which
-        # sees the stop at its next wake-up and ends.
-        self._stop.set()
-        self.send(end=True)
-
-
-class _Stream(io.TextIOBase):
-    def __init__(self, pump: _OutputPump, name: str):
-        self._pump, self.name = pump, name
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self._pump.add(self.name, text)
-        return len(text)
-
-    def flush(self) -> None:
-        self._pump.send()
-
-
-_current_pump: _OutputPump | None = None
-
-
-def _display_shell() -> None:
-    """An IPython shell whose display() output goes to the kernel, as on ipyparallel engines.
-
-    Without one, IPython's display() prints the plain-text repr. The shell gets a module of
-    its own: the worker's __main__ is left alone.
-    """
-    from IPython.core.displaypub import DisplayPublisher
-    from IPython.core.interactiveshell import InteractiveShell
-    from traitlets.config import Config
-
-    if InteractiveShell.initialized():
-        return
-
-    class _ToKernel(DisplayPublisher):
-        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **_kw):
-            if _current_pump is not None:
-                _current_pump.add_display(data, metadata)
-
-    config = Config()
-    config.HistoryManager.enabled = False
-    InteractiveShell.instance(config=config, user_module=types.ModuleType("__jupyter_scale_display__"),
-                              display_pub_class=_ToKernel)
-
-
 def _call(fn: Callable, job: str, rank: int, topic: str, args: tuple, payload: Any = None) -> Any:
-    """What a Dask task runs: fn(*args, *payload) with its output streamed to the kernel."""
-    global _current_pump
+    """What a Dask task runs: fn(*args, *payload) with its output streamed to the kernel
+    as events of the topic the kernel's client subscribed to."""
     if payload is not None:
         args = (*args, *payload.frames)
-    _display_shell()
-    pump = _current_pump = _OutputPump(get_worker(), topic, job, rank)
-    try:
-        with contextlib.redirect_stdout(pump.stdout), contextlib.redirect_stderr(pump.stderr):
-            result = fn(*args)
-    finally:
-        _current_pump = None
-        pump.close()
+    dask_worker = get_worker()  # only a task's thread knows its worker
+    result = capture.call_captured(fn, args, lambda message: dask_worker.log_event(topic, message), job, rank)
     return _Payload(list(result)) if isinstance(result, tuple) else result
 
 
@@ -306,40 +203,29 @@ class _TopicEventQueue(metrics.EventQueue):
 
 class _DaskJob(Job):
     def __init__(self, backend: "DaskBackend", job_id: str, futures: dict, held: list):
+        super().__init__(list(futures))
         self._backend = backend
         self.job_id = job_id
-        self.ranks = list(futures)
         self._futures = futures
         self._held = held  # scattered arguments: released with the job
-        self._outputs: deque = deque()
-        self._ended: set[int] = set()
-        self._finished_at: dict[int, float] = {}
+        self._ended: set[int] = set()  # ranks whose last output batch arrived
         self._values: dict[int, Any] = {}  # results fetched, not yet handed over
-        self._activity = threading.Event()
         for future in futures.values():
-            future.add_done_callback(lambda _f: self._activity.set())
+            future.add_done_callback(lambda _f: self.notify())
 
     def on_output(self, message: dict) -> None:  # the client's event loop thread
-        rank = message["rank"]
-        for part in message["parts"]:
-            if part[0] == "display":
-                self._outputs.append(Output(rank, "display", data=part[1], metadata=part[2]))
-            else:
-                self._outputs.append(Output(rank, part[0], part[1]))
-        if message["end"]:
+        rank, outputs, end = capture.outputs_of(message)
+        if end:
             self._ended.add(rank)
-        self._activity.set()
+        self.accept_output(outputs)
 
-    def wait_activity(self, timeout: float) -> None:
-        self._activity.wait(timeout)
-        self._activity.clear()
+    def _replied(self, rank: int) -> bool:
+        return self._futures[rank].done()
 
-    def done(self, rank: int) -> bool:
-        future = self._futures[rank]
-        if future.done():
-            # A result can overtake the last output batch: wait for the end marker a little.
-            first_seen = self._finished_at.setdefault(rank, time.monotonic())
-            return rank in self._ended or time.monotonic() - first_seen > OUTPUT_GRACE_S
+    def _output_complete(self, rank: int) -> bool:
+        return rank in self._ended
+
+    def _worker_gone(self, rank: int) -> bool:
         return rank in self._backend.gone_ranks()
 
     def result(self, rank: int) -> Any:
@@ -358,12 +244,6 @@ class _DaskJob(Job):
             self._values.update(zip(ready, values))
         value = self._values.pop(rank)
         return tuple(value.frames) if isinstance(value, _Payload) else value
-
-    def new_output(self) -> list[Output]:
-        out = []
-        while self._outputs:
-            out.append(self._outputs.popleft())
-        return out
 
     def release(self) -> None:
         self._backend.forget_job(self.job_id)
@@ -450,31 +330,24 @@ class DaskBackend(Backend):
             # owner-only, removed with it.
             "temporary-directory": scratch.name,
         }
-        with dask.config.set(settings):
-            try:
-                cluster = LocalCluster(**options)
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                died = [code for nanny in nannies for code in nanny.exit_codes.values()]
-                if died:  # their output went to the kernel's own stderr, not to the notebook
-                    raise ClusterError(
-                        f"could not start {n} Dask workers: a worker process {describe_exit(died[0])} while "
-                        "starting (its output is in the kernel's log, e.g. the terminal running Jupyter); "
-                        "fix the workers' environment and run the cell again") from exc
-                raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
-        try:
+        def died_starting(exc: BaseException) -> str | None:
+            died = [code for nanny in nannies for code in nanny.exit_codes.values()]
+            if not died:
+                return None
+            # Their output went to the kernel's own stderr, not to the notebook.
+            return (f"a worker process {describe_exit(died[0])} while starting (its output is in the kernel's log, "
+                    "e.g. the terminal running Jupyter); fix the workers' environment and run the cell again")
+
+        failed = f"could not start {n} Dask workers"
+        with dask.config.set(settings), engine_errors(failed, detail=died_starting):
+            cluster = LocalCluster(**options)
+        with engine_errors(failed, cleanup=cluster.close):
             # Direct: results and big arguments go straight between the kernel and a worker,
             # not through the scheduler (which would copy them once more). The scheduler
             # makes its stream to the client now: it keeps few messages too.
             with dask.config.set(_FEW_KEPT):
                 client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
             client.wait_for_workers(n, timeout=timeout)
-        except BaseException as exc:
-            cluster.close()
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise ClusterError(f"could not start {n} Dask workers: {type(exc).__name__}: {exc}") from exc
         self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
         self._attach(client, n, timeout)
 
@@ -517,16 +390,12 @@ class DaskBackend(Backend):
         )
         options.update(self._cluster_options)
         # No time limit asked: none in the script (the partition's), not dask-jobqueue's 30 minutes.
-        with dask.config.set({"jobqueue.slurm.walltime": None, **_FEW_KEPT}):
-            try:
-                cluster = SLURMCluster(**options)
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                raise ClusterError(f"could not start the Dask scheduler for Slurm: {type(exc).__name__}: {exc}") from exc
+        with (dask.config.set({"jobqueue.slurm.walltime": None, **_FEW_KEPT}),
+              engine_errors("could not start the Dask scheduler for Slurm")):
+            cluster = SLURMCluster(**options)
         launcher.find_jobs = lambda: [str(getattr(job, "job_id", "") or "") for job in list(cluster.workers.values())]
-        try:
-            cluster.scale(n)
+        with engine_errors(f"could not start {n} Dask workers on Slurm", cleanup=lambda: cluster.close(timeout=15)):
+            cluster.scale(n)  # closing the cluster scancels the jobs
             with dask.config.set(_FEW_KEPT):
                 client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
 
@@ -538,12 +407,6 @@ class DaskBackend(Backend):
                     return False
 
             launcher.wait_for_workers(ready, n, timeout)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                cluster.close(timeout=15)  # scancels the jobs
-            if isinstance(exc, (KeyboardInterrupt, ClusterError)):
-                raise
-            raise ClusterError(f"could not start {n} Dask workers on Slurm: {type(exc).__name__}: {exc}") from exc
         # The workers are processes on the compute nodes: none of them is ours to signal.
         self._cluster, self.owns_cluster, self._remote = cluster, True, True
         self._attach(client, n, timeout)
@@ -558,31 +421,24 @@ class DaskBackend(Backend):
         security = Security() if not tls else Security(
             tls_ca_file=tls["ca_file"], tls_client_cert=tls["cert"], tls_client_key=tls.get("key"),
             require_encryption=True)
-        try:
-            # Dask's timeout here is for reaching the scheduler (it retries a refused port
-            # until then); the workers get `timeout` below. A scheduler we connect to keeps
-            # the events of our topics as it is configured to (distributed.admin.
-            # low-level-log-length, 1000 by default); our client keeps few messages.
-            with dask.config.set(_FEW_KEPT):
-                client = Client(address, set_as_default=False, timeout=CONNECT_TIMEOUT_S, security=security)
-        except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise ClusterError(f"could not connect to the Dask scheduler at {address}: {exc}") from exc
+        # Dask's timeout here is for reaching the scheduler (it retries a refused port until
+        # then); the workers get `timeout` below. A scheduler we connect to keeps the events
+        # of our topics as it is configured to (distributed.admin.low-level-log-length, 1000
+        # by default); our client keeps few messages.
+        with dask.config.set(_FEW_KEPT), engine_errors(f"could not connect to the Dask scheduler at {address}",
+                                                       detail=str):
+            client = Client(address, set_as_default=False, timeout=CONNECT_TIMEOUT_S, security=security)
         self.owns_cluster = False
-        try:
+
+        def forget() -> None:
+            client.close()
+            self.client = None
+
+        with engine_errors(f"the Dask cluster at {address} did not offer {n} workers within {timeout:.0f} s",
+                           cleanup=forget, detail=str):
             if n:
                 client.wait_for_workers(n, timeout=timeout)
             self._attach(client, n, timeout)
-        except BaseException as exc:
-            client.close()
-            self.client = None
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            if isinstance(exc, ClusterError):
-                raise
-            raise ClusterError(f"the Dask cluster at {address} did not offer {n} workers within "
-                               f"{timeout:.0f} s: {exc}") from exc
 
     def _attach(self, client: Client, n: int | None, timeout: float) -> None:
         workers = client.scheduler_info(n_workers=-1)["workers"]

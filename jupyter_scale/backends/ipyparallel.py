@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -20,7 +19,7 @@ from traitlets import Dict, List, Unicode
 from .. import metrics
 from ..errors import ClusterError
 from ..launchers import Launcher, MPILauncher, SlurmLauncher
-from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit
+from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
 
 log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
@@ -29,8 +28,6 @@ _quiet_cluster_log.setLevel(logging.ERROR)
 # The controller pings engines this often (ms). ipyparallel's default (3 s, several missed
 # beats) makes a dead engine take ~10 s to notice; 500 ms keeps that to a couple of seconds.
 HEARTBEAT_MS = 500
-# How long a rank's output may trail its reply before the rank counts as done anyway.
-OUTPUT_GRACE_S = 2.0
 # How long a start-up probe of an engine may go unanswered before it is sent again.
 PROBE_AGAIN_S = 5.0
 
@@ -262,39 +259,31 @@ class _IOPubEventQueue(metrics.EventQueue):
 class _IPPJob(Job):
     def __init__(self, client: ipp.Client, async_result, ranks: list[int], engine_ids: list[int],
                  events: _IOPubEventQueue | None = None):
+        super().__init__(ranks)
         self._client = client
         self._ar = async_result
-        self.ranks = ranks
         self._engine_ids = dict(zip(ranks, engine_ids))
         # One message future per rank, in the order the ranks were targeted.
         self._futures = dict(zip(ranks, async_result._children))
-        self._replied_at: dict[int, float] = {}
         self._seen = {r: {"stdout": 0, "stderr": 0, "outputs": 0} for r in ranks}
-        # Set from ipyparallel's IO thread on every result and output message, so the
+        # Notified from ipyparallel's IO thread on every result and output message, so the
         # kernel wakes at once instead of polling on a timer.
-        self._activity = threading.Event()
         for future in self._futures.values():
-            future.add_done_callback(lambda _f: self._activity.set())
-            future.output.add_done_callback(lambda _f: self._activity.set())
-            future.iopub_callbacks.append(lambda _msg: self._activity.set())
+            future.add_done_callback(lambda _f: self.notify())
+            future.output.add_done_callback(lambda _f: self.notify())
+            future.iopub_callbacks.append(lambda _msg: self.notify())
             if events is not None:
                 future.iopub_callbacks.append(lambda msg: events.take(client, msg))
 
-    def wait_activity(self, timeout: float) -> None:
-        self._activity.wait(timeout)
-        self._activity.clear()
+    def _replied(self, rank: int) -> bool:
+        return self._futures[rank].done()
 
-    def done(self, rank: int) -> bool:
-        # The reply (shell channel) can arrive before the last output (iopub channel):
-        # a rank is done once its output stream is complete too, or, should that never
-        # come (an engine that died), shortly after its reply.
-        future = self._futures[rank]
-        if not future.done():
-            return self._unregistered(rank)
-        if future.output.done():
-            return True
-        first_seen = self._replied_at.setdefault(rank, time.monotonic())
-        return time.monotonic() - first_seen > OUTPUT_GRACE_S
+    def _output_complete(self, rank: int) -> bool:
+        # The reply (shell channel) can arrive before the last output (iopub channel).
+        return self._futures[rank].output.done()
+
+    def _worker_gone(self, rank: int) -> bool:
+        return self._unregistered(rank)
 
     def _unregistered(self, rank: int) -> bool:
         # The controller unregisters an engine whose heartbeats stop (killed with its nanny,
@@ -448,7 +437,7 @@ class IPyParallelBackend(Backend):
             launcher.wait_for_workers(ready, n, timeout)
             _await_routes(client, sorted(client.ids)[:n], timeout)
             _keep_private(cluster)
-        except BaseException as exc:
+        except BaseException as exc:  # not engine_errors: the engines' own output says more than ours
             detail = _startup_failure(cluster) or str(exc)
             try:
                 cluster.stop_cluster_sync()
@@ -469,31 +458,24 @@ class IPyParallelBackend(Backend):
         if self._client is not None:
             raise ClusterError("already attached to an ipyparallel cluster")
         where = url_file or f"profile {profile or 'default'}" + (f", cluster id {cluster_id}" if cluster_id else "")
-        try:
-            # A controller answers at once; ZeroMQ retries a refused port in silence, so a
-            # stale connection file would otherwise hold the notebook for `timeout` (120 s).
+
+        def unanswered(exc: BaseException) -> str:
+            hint = (f" (no answer within {CONNECT_TIMEOUT_S:.0f} s: is the cluster still running?)"
+                    if isinstance(exc, TimeoutError) else "")
+            return f"{type(exc).__name__}: {' '.join(str(exc).split())}{hint}"  # ipyparallel's messages span lines
+
+        # A controller answers at once; ZeroMQ retries a refused port in silence, so a
+        # stale connection file would otherwise hold the notebook for `timeout` (120 s).
+        with engine_errors(f"could not connect to the ipyparallel controller ({where})", detail=unanswered):
             if url_file:
                 client = ipp.Client(url_file, timeout=CONNECT_TIMEOUT_S)
             else:
                 client = ipp.Client(profile=profile or "default", cluster_id=cluster_id or "", timeout=CONNECT_TIMEOUT_S)
-        except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            hint = (f" (no answer within {CONNECT_TIMEOUT_S:.0f} s: is the cluster still running?)"
-                    if isinstance(exc, TimeoutError) else "")
-            said = " ".join(str(exc).split())  # ipyparallel's own messages span lines
-            raise ClusterError(f"could not connect to the ipyparallel controller ({where}): "
-                               f"{type(exc).__name__}: {said}{hint}") from exc
-        try:
+        with engine_errors(f"the ipyparallel cluster ({where}) did not offer {n} engines within {timeout:.0f} s",
+                           cleanup=client.close, detail=str):
             if n:
                 client.wait_for_engines(n, timeout=timeout, interactive=False)
             _await_routes(client, sorted(client.ids)[:n] if n else sorted(client.ids), timeout)
-        except BaseException as exc:
-            client.close()
-            if isinstance(exc, (KeyboardInterrupt, ClusterError)):
-                raise
-            raise ClusterError(f"the ipyparallel cluster ({where}) did not offer {n} engines within "
-                               f"{timeout:.0f} s: {exc}") from exc
         if not client.ids:
             client.close()
             raise ClusterError(f"the ipyparallel cluster ({where}) has no engines")

@@ -1,0 +1,272 @@
+"""The protocol every engine implements: a Backend starts (or attaches to) workers and runs
+calls on them; a Job is one call on every rank, its replies and the output it printed.
+
+Rules an engine keeps:
+- results come in rank order; rank i is the same worker until `order_ranks` renumbers;
+- a call's output reaches `new_output()` before the rank is `done()`, or within
+  OUTPUT_GRACE_S of its reply;
+- `interrupt` raises KeyboardInterrupt in the cell of the named run only, never in a
+  later cell or between cells;
+- `stop()` leaves no process that `start()` started; a cluster it attached to lives on;
+- an engine module imports its engine's package when it is loaded (entry points load
+  only the engine asked for).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import psutil
+
+from ..errors import ClusterError
+
+log = logging.getLogger(__name__)
+# How long `connect` waits for a scheduler or controller to answer. One that is there
+# answers in milliseconds; a wrong address (a refused port, a stale connection file) fails
+# within 10 s instead of the start timeout (120 s). Workers then get the start timeout.
+CONNECT_TIMEOUT_S = 8.0
+# How long a rank's output may trail its reply before the rank counts as done anyway.
+OUTPUT_GRACE_S = 2.0
+
+
+@dataclass
+class Output:
+    """A piece of what a worker printed or displayed while running."""
+
+    rank: int
+    stream: str  # "stdout", "stderr" or "display"
+    text: str = ""
+    data: dict = field(default_factory=dict)  # mimebundle, for "display"
+    metadata: dict = field(default_factory=dict)
+
+
+class Job(abc.ABC):
+    """One function running on every worker (or on some ranks).
+
+    An engine says whether a rank's reply has arrived (`_replied`), whether all the output
+    the call printed has (`_output_complete`: a reply can overtake its last output on
+    engines that carry them apart), and whether the rank's worker is gone (`_worker_gone`);
+    this class makes `done` of those, with one grace for late output. Output is queued with
+    `accept_output` (from any thread) and each arrival wakes `wait_activity`.
+    """
+
+    ranks: list[int]
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = list(ranks)
+        self._outputs: deque[Output] = deque()
+        self._activity = threading.Event()
+        self._replied_at: dict[int, float] = {}
+
+    @abc.abstractmethod
+    def _replied(self, rank: int) -> bool:
+        """The engine holds `rank`'s reply: a return value or the call's error."""
+
+    def _output_complete(self, rank: int) -> bool:
+        """Everything the call printed on `rank` has arrived (asked once it replied)."""
+        return True
+
+    @abc.abstractmethod
+    def _worker_gone(self, rank: int) -> bool:
+        """The worker of `rank` is known to be gone: its reply will never come."""
+
+    @abc.abstractmethod
+    def result(self, rank: int) -> Any:
+        """The return value of a finished rank; raises WorkerLost if its worker died, and
+        WorkerCallFailed if the engine could not run the call at all."""
+
+    def done(self, rank: int) -> bool:
+        """Whether `rank` has finished (returned, raised, or its worker was lost)."""
+        if not self._replied(rank):
+            return self._worker_gone(rank)
+        if self._output_complete(rank):
+            return True
+        # The last output may never come (a worker that died as it answered): not long.
+        first_seen = self._replied_at.setdefault(rank, time.monotonic())
+        return time.monotonic() - first_seen > OUTPUT_GRACE_S
+
+    def accept_output(self, outputs: Iterable[Output]) -> None:
+        self._outputs.extend(outputs)
+        self.notify()
+
+    def new_output(self) -> list[Output]:
+        """Output produced since the last call, in arrival order per rank."""
+        out = []
+        while self._outputs:
+            out.append(self._outputs.popleft())
+        return out
+
+    def notify(self) -> None:
+        """A reply or output arrived (any thread): wakes `wait_activity`."""
+        self._activity.set()
+
+    def wait_activity(self, timeout: float) -> None:
+        """Block until a result or output may have arrived, or `timeout` passed."""
+        self._activity.wait(timeout)
+        self._activity.clear()
+
+    def release(self) -> None:
+        """Drop whatever the engine keeps of this job (results can be large)."""
+
+    def wait(self, timeout: float, poll: float = 0.1) -> list[Any]:
+        """Block until every rank finished; the results in rank order."""
+        deadline = time.monotonic() + timeout
+        while not all(self.done(r) for r in self.ranks):
+            if time.monotonic() > deadline:
+                pending = [r for r in self.ranks if not self.done(r)]
+                raise ClusterError(f"ranks {pending} did not answer within {timeout:.0f} s")
+            self.wait_activity(poll)
+        return [self.result(r) for r in self.ranks]
+
+
+class Backend(abc.ABC):
+    """The engine-specific part: workers, calls, signals."""
+
+    name: str = ""
+    # True for a cluster this backend started (stop() ends its processes); False for one
+    # it connected to (stop() only disconnects: the cluster is someone else's).
+    owns_cluster: bool = True
+
+    @abc.abstractmethod
+    def start(self, n: int, timeout: float, launcher: Any = None) -> None:
+        """Start a cluster of `n` workers and wait for them: local (loopback only), or where
+        `launcher` (a launchers.Launcher) says, through the engine's own launcher for it."""
+
+    def connect(self, n: int | None, timeout: float, **where: Any) -> None:
+        """Attach to a running cluster; use `n` of its workers (default: all it has)."""
+        raise ClusterError(f"the {self.name} backend cannot connect to a running cluster")
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop what `start` started (none of its processes remain), or disconnect."""
+
+    @property
+    @abc.abstractmethod
+    def running(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
+        """Run fn(*args) on every worker (or on `ranks`); the same arguments everywhere, sent once."""
+
+    @abc.abstractmethod
+    def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
+        """Run fn(*args_per_rank[rank]) on each worker."""
+
+    @abc.abstractmethod
+    def interrupt(self, ranks: list[int], run: str | None = None) -> None:
+        """Deliver SIGINT (KeyboardInterrupt) to the given ranks' workers; where the engine
+        can, only while they run the cell of `run` (the request's run id)."""
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose worker process is known to be gone."""
+        return []
+
+    def exit_code(self, pid: int) -> int | None:
+        """How a worker process this backend started ended: its exit status, or minus the
+        signal that killed it; None while it runs or where the engine cannot tell."""
+        return None
+
+    def order_ranks(self, order: list[int]) -> None:
+        """Renumber the workers: rank i becomes the worker that was rank order[i] (the session
+        puts each host's ranks together, as torchrun numbers them)."""
+        if order != list(range(self.size)):
+            raise ClusterError(f"the {self.name} backend cannot renumber its workers")
+
+    def contact_address(self) -> str | None:
+        """The IP address at which the workers reach the cluster (its controller or
+        scheduler): each worker says which of its addresses it reaches it from, which is
+        where the process group meets (see rendezvous.choose_rendezvous_address)."""
+        return None
+
+    def describe(self) -> dict:
+        """Engine-specific facts for `%scale status` (addresses, ids)."""
+        return {}
+
+    def local_processes(self) -> list:
+        """psutil handles of the processes `start` started (workers first where it can tell)."""
+        return []
+
+    def open_events(self):
+        """The kernel's end of the workers' event stream (metrics.EventQueue).
+
+        By default a ZeroMQ socket on the kernel's loopback; an engine whose workers may run
+        elsewhere returns a queue fed by its own channel.
+        """
+        from ..metrics import EventStream
+
+        return EventStream()
+
+
+def descendants(processes: list) -> list:
+    """psutil handles of every process that `processes` started, directly or not, now: once
+    its parent exits, an orphan can no longer be traced back to it."""
+    found = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            found.extend(process.children(recursive=True))
+    return found
+
+
+def end_processes(processes: list, timeout: float) -> None:
+    """SIGTERM, then SIGKILL for whatever still runs `timeout` s later. By pid: psutil
+    checks that a pid was not reused before it signals."""
+    def running(process) -> bool:  # a zombie is gone (an orphan's init may never reap it)
+        with contextlib.suppress(psutil.Error):
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    while any(map(running, processes)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for process in filter(running, processes):
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+def describe_exit(code: int | None) -> str:
+    """'killed by SIGKILL', 'exited with status 1', or '' when unknown."""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+@contextlib.contextmanager
+def engine_errors(what: str, cleanup: Callable[[], Any] | None = None,
+                  detail: Callable[[BaseException], str | None] | None = None) -> Iterator[None]:
+    """Whatever the engine raises inside becomes one line, "{what}: {detail}", with the
+    engine's exception as its cause. `cleanup` first stops what was half started (its own
+    failure is logged, not raised); `detail(exc)` says more where it can (None: the default,
+    the exception's type and message). An interrupt, and an error already ours, pass as
+    they are."""
+    try:
+        yield
+    except BaseException as exc:
+        if cleanup is not None:
+            try:
+                cleanup()
+            except Exception:  # already half down: the original error is what matters
+                log.debug("cleaning up after %s failed", what, exc_info=True)
+        if isinstance(exc, (KeyboardInterrupt, ClusterError)):
+            raise
+        said = (detail(exc) if detail is not None else None) or f"{type(exc).__name__}: {exc}"
+        raise ClusterError(f"{what}: {said}") from exc

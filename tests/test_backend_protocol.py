@@ -1,0 +1,85 @@
+"""What every engine must do (jupyter_scale/backends/base.py), on the real engines, with no
+kernel and no torch in the calls: the rules the session relies on, one test each.
+
+The calls are functions the workers import by name (os, operator, builtins): what a
+worker runs must be importable there, and these tests' own module is not.
+"""
+
+import operator
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import ENGINES, wait_gone
+from jupyter_scale import worker
+from jupyter_scale.backends import WorkerCallFailed, WorkerLost, create_backend
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    backend = create_backend(request.param)
+    backend.start(3, timeout=120)
+    started = backend.local_processes()
+    try:
+        yield backend
+    finally:
+        backend.stop()
+        assert not backend.running
+        wait_gone(started)  # stop() leaves no process start() made
+
+
+def _pids(backend, ranks=None):
+    return backend.submit(os.getpid, ranks=ranks).wait(60)
+
+
+def test_results_come_in_rank_order_from_the_ranks_asked(engine):
+    pids = _pids(engine)
+    assert len(set(pids)) == 3
+    assert [w["pid"] for w in engine.submit(worker.describe).wait(60)] == pids
+    assert _pids(engine, ranks=[2, 0]) == [pids[2], pids[0]]
+    assert engine.submit_each(operator.add, [(1, 2), (3, 4), (5, 6)]).wait(60) == [3, 7, 11]
+    engine.order_ranks([1, 0, 2])  # rank i becomes the worker that was rank order[i]
+    assert _pids(engine) == [pids[1], pids[0], pids[2]]
+
+
+def test_a_calls_output_has_arrived_once_its_rank_is_done(engine):
+    job = engine.submit(print, "hello")
+    deadline = time.monotonic() + 60
+    while not all(job.done(r) for r in job.ranks):
+        assert time.monotonic() < deadline, "the call never finished"
+        job.wait_activity(0.1)
+    said = [(o.rank, o.stream, o.text) for o in job.new_output()]
+    assert sorted(said) == [(r, "stdout", "hello\n") for r in range(3)]
+    assert [job.result(r) for r in job.ranks] == [None] * 3
+    job.release()
+
+
+def test_a_call_that_raises_in_the_engine_is_worker_call_failed(engine):
+    job = engine.submit_each(int, [("1",), ("x",), ("3",)])
+    with pytest.raises(WorkerCallFailed, match="ValueError") as caught:
+        job.wait(60)
+    assert caught.value.rank == 1
+    assert _pids(engine)  # the workers are fine
+
+
+def test_a_killed_worker_is_lost_named_dead_and_its_call_ends(engine):
+    pids = _pids(engine)
+    job = engine.submit(time.sleep, 60)
+    time.sleep(1.0)  # the call runs
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not job.done(1):
+        assert time.monotonic() < deadline, "the engine never noticed the dead worker"
+        job.wait_activity(0.1)
+    with pytest.raises(WorkerLost) as caught:
+        job.result(1)
+    assert caught.value.rank == 1
+    assert not job.done(0)  # the others still run their call
+    while engine.dead_ranks() != [1]:
+        assert time.monotonic() < deadline, engine.dead_ranks()
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE
+    job.release()
