@@ -7,7 +7,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import launchers, training
-from .backends import available_backends
+from .backends import available_backends, find_connection
 from .session import ScaleSession
 
 
@@ -214,11 +214,13 @@ class ScaleMagics(Magics):
     @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart", "connect"],
               help="what to do (default: status)")
     @argument("address", nargs="?", default=None,
-              help="for connect: a Dask scheduler address (tcp://10.0.0.5:8786) or an ipyparallel "
-                   "ipcontroller-client.json file")
+              help="for connect: the cluster's address, whose form says the engine: a Dask scheduler "
+                   "(tcp://10.0.0.5:8786) or an ipyparallel ipcontroller-client.json file (else say --backend)")
     @argument("-n", "--workers", type=_positive_int, default=None,
               help="workers for start/restart; for connect, how many to use (waits for them)")
-    @argument("--backend", default=None, help="cluster engine for start: ipyparallel or dask")
+    @argument("--backend", default=None,
+              help="cluster engine (ipyparallel, dask, or another installed one): the one start starts; for "
+                   "connect, the one the address is for")
     @argument("--profile", default=None, help="for connect: an ipyparallel profile (ipcluster start --profile P)")
     @argument("--cluster-id", default=None, help="for connect: an ipyparallel cluster id within the profile")
     @argument("--tls-ca-file", default=None,
@@ -256,8 +258,8 @@ class ScaleMagics(Magics):
         if args.action != "connect" and where:
             raise UsageError(f"an address, --profile or --cluster-id goes with connect, not {args.action}")
         tls = {k: v for k, v in dict(ca_file=args.tls_ca_file, cert=args.tls_cert, key=args.tls_key).items() if v}
-        if tls and not (args.action == "connect" and args.address and not args.address.endswith(".json")):
-            raise UsageError("--tls-ca-file, --tls-cert and --tls-key go with %scale connect tls://HOST:PORT (Dask)")
+        if tls and args.action != "connect":
+            raise UsageError(f"--tls-ca-file, --tls-cert and --tls-key go with connect, not {args.action}")
         if tls and ("ca_file" not in tls or "cert" not in tls):
             raise UsageError("TLS needs --tls-ca-file and --tls-cert (and --tls-key unless the key is in the cert file)")
         if args.rendezvous is not None and args.action != "connect":
@@ -275,19 +277,17 @@ class ScaleMagics(Magics):
             raise UsageError(f"--launcher and its options go with start or restart, not {args.action}")
         session = self.session
         if args.action == "connect":
-            if not where:
-                raise UsageError("connect to what? %scale connect tcp://HOST:PORT (Dask) or "
-                                 "%scale connect --profile NAME (ipyparallel)")
-            if args.address and (args.profile or args.cluster_id):
-                raise UsageError("give a Dask scheduler address or an ipyparallel --profile/--cluster-id, not both")
-            if args.backend:
-                raise UsageError("connect finds the engine from what it connects to; drop --backend")
+            try:  # which engine, before anything starts
+                find_connection(args.address, args.backend, profile=args.profile, cluster_id=args.cluster_id,
+                                tls=tls or None)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
             if session.running:
                 raise UsageError(f"a cluster of {session.size} workers is already running; %scale stop it first")
             if args.rendezvous is not None:
                 session.rendezvous_address = args.rendezvous
-            session.connect(args.address, workers=args.workers, profile=args.profile, cluster_id=args.cluster_id,
-                            tls=tls or None)
+            session.connect(args.address, workers=args.workers, backend=args.backend, profile=args.profile,
+                            cluster_id=args.cluster_id, tls=tls or None)
             return
         self._choose_backend(args.backend)
         if args.action == "start":

@@ -20,7 +20,7 @@ from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from . import display, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
-from .backends import Backend, Job, create_backend, descendants, end_processes
+from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
 from .run import CellRun, RunRecord, interrupts_noted
 
@@ -156,7 +156,7 @@ class ScaleSession(LoggingConfigurable):
         started = time.monotonic()
         if self.connection is not None:
             name, where = self.connection
-            backend = create_backend(name)
+            backend = create_backend(name, parent=self)
             print(f"jupyter_scale: connecting to the {name} cluster at {_where(where)} ...", flush=True)
             backend.connect(workers, timeout=self.start_timeout, **where)
         else:
@@ -167,7 +167,7 @@ class ScaleSession(LoggingConfigurable):
                 self._launch = (launcher or self.launcher, launcher_options)
             name, options = self._launch or (self.launcher, {})
             placement = launchers.create_launcher(name, parent=self, **options)
-            backend = create_backend(self.backend_name)
+            backend = create_backend(self.backend_name, parent=self)
             if placement.name == "local":
                 print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
                       flush=True)
@@ -175,7 +175,7 @@ class ScaleSession(LoggingConfigurable):
                 how = ("mpiexec" if placement.name == "mpi" else "a Slurm job" if self.backend_name == "ipyparallel"
                        else "Slurm jobs")
                 print(f"jupyter_scale: starting {n} {self.backend_name} workers with {how} (the kernel's "
-                      f"{'controller' if self.backend_name == 'ipyparallel' else 'scheduler'} at "
+                      f"{backend.hub} at "
                       f"{placement.listen_address()}) ...", flush=True)
             try:
                 backend.start(n, timeout=self.start_timeout, launcher=placement)
@@ -224,35 +224,25 @@ class ScaleSession(LoggingConfigurable):
                 continue
         backend.submit(worker.watch_parent, me.pid, me.create_time(), helpers, ranks=ranks).wait(self.start_timeout)
 
-    def connect(self, address: str | None = None, *, workers: int | None = None, profile: str | None = None,
-                cluster_id: str | None = None, url_file: str | None = None, tls: dict | None = None) -> None:
+    def connect(self, address: str | None = None, *, workers: int | None = None, backend: str | None = None,
+                profile: str | None = None, cluster_id: str | None = None, url_file: str | None = None,
+                tls: dict | None = None) -> None:
         """Attach to a cluster someone else started, instead of starting one.
 
-        `address` is a Dask scheduler (tcp://host:port, from dask-jobqueue, dask-kubernetes,
-        `dask scheduler`) or an ipyparallel `ipcontroller-*-client.json` file; `profile` /
-        `cluster_id` / `url_file` find an ipyparallel controller (ipcluster) too. `workers`: use that many (waiting for them to join), else
-        every worker the cluster has. `stop()` disconnects and leaves the cluster running.
-        `tls` (Dask): {"ca_file", "cert", "key"} PEM files for a tls:// scheduler; without
-        it Dask's own configuration (distributed.comm.tls) applies.
+        The engine is the one whose cluster `address` names (see backends.find_connection;
+        `backend` picks one): a Dask scheduler (tcp://host:port, from dask-jobqueue,
+        dask-kubernetes, `dask scheduler`) or an ipyparallel `ipcontroller-*-client.json`
+        file; `profile` / `cluster_id` / `url_file` find an ipyparallel controller (ipcluster)
+        too. `workers`: use that many (waiting for them to join), else every worker the
+        cluster has. `stop()` disconnects and leaves the cluster running. `tls` (Dask):
+        {"ca_file", "cert", "key"} PEM files for a tls:// scheduler; without it Dask's own
+        configuration (distributed.comm.tls) applies. Raises ValueError for what names no
+        cluster, before anything starts.
         """
         if self.running:
             raise ClusterError(f"a cluster of {self.size} workers is already running; %scale stop it first")
-        if address and address.endswith(".json"):  # an ipyparallel controller's client file
-            address, url_file = None, address
-        if address:
-            if profile or cluster_id or url_file:
-                raise ValueError("give a Dask scheduler address or an ipyparallel profile/cluster id, not both")
-            if "://" not in address:
-                address = f"tcp://{address}"
-            name, where = "dask", {"address": address, **({"tls": tls} if tls else {})}
-        elif tls:
-            raise ValueError("tls goes with a Dask scheduler address (tls://host:port)")
-        elif profile or cluster_id or url_file:
-            name = "ipyparallel"
-            where = {k: v for k, v in dict(profile=profile, cluster_id=cluster_id, url_file=url_file).items() if v}
-        else:
-            raise ValueError("connect to what? a Dask scheduler address (tcp://host:port) or an "
-                             "ipyparallel --profile / --cluster-id")
+        name, where = find_connection(address, backend, profile=profile, cluster_id=cluster_id, url_file=url_file,
+                                      tls=tls)
         self.connection = (name, where)
         self._network_noted = False
         try:

@@ -106,6 +106,7 @@ class FakeBackend(Backend):
     starts = 0  # clusters started, over every instance (a restart makes a new one)
 
     def __init__(self, **options: Any):
+        super().__init__(**options)
         self._size = 0
         self._dead: set[int] = set()
         self._running_cells: dict[int, tuple[str, Rank]] = {}  # rank -> (run id, its view)

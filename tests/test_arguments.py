@@ -21,7 +21,7 @@ TOKENS = st.sampled_from([
     "--workers=2", "--timeout=0", "'", '"', "status", "start", "stop", "restart", "connect", "explode",
     "--launcher", "local", "slurm", "mpi", "--partition", "--time", "10:00", "--mem", "16G", "--cpus-per-worker",
     "--gpus-per-worker", "--account", "--qos", "--shard", "--mixed-precision", "bf16", "fp8", "--cpu-offload",
-    "--keep-sharded",
+    "--keep-sharded", "ray://127.0.0.1:10001", "--tls-cert", "c.pem",
 ])
 LINES = st.lists(st.one_of(TOKENS, st.text(max_size=8)), max_size=6).map(" ".join)
 
@@ -53,8 +53,10 @@ class Recorder(ScaleSession):
     def stop(self):
         pass
 
-    def connect(self, address=None, *, workers=None, profile=None, cluster_id=None, url_file=None, tls=None):
+    def connect(self, address=None, *, workers=None, backend=None, profile=None, cluster_id=None, url_file=None,
+                tls=None):
         assert address or profile or cluster_id
+        assert backend in (None, "dask", "ipyparallel")
         assert workers is None or workers >= 1
         assert tls is None or (address and {"ca_file", "cert"} <= set(tls))
 

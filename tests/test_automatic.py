@@ -7,7 +7,7 @@ import pytest
 
 from conftest import COUNT_AVERAGING
 
-DESIGN_LOOP = """%%distribute --workers 2
+README_LOOP = """%%distribute --workers 2
 loader = DataLoader(data, batch_size=64, shuffle=True)   # each rank gets its own shard
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 for epoch in range(3):
@@ -52,7 +52,7 @@ def k(kernel):
 
 def test_design_loop_unchanged_ranks_end_bitwise_equal(k):
     k.ok("start = copy.deepcopy(model)")
-    out = k.ok(DESIGN_LOOP, timeout=300)
+    out = k.ok(README_LOOP, timeout=300)
     assert "Traceback" not in out.stderr
     k.ok("""
 steps = [sum(1 for p in jupyter_scale.history() if p["rank"] == r) for r in (0, 1)]

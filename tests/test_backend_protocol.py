@@ -83,3 +83,20 @@ def test_a_killed_worker_is_lost_named_dead_and_its_call_ends(engine):
         time.sleep(0.1)
     assert not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE
     job.release()
+
+
+def test_an_engines_settings_in_the_sessions_config_reach_the_cluster_it_starts():
+    from traitlets.config import Config
+
+    from jupyter_scale.session import ScaleSession
+
+    config = Config()
+    config.DaskBackend.cluster_options = {"threads_per_worker": 2}  # ours is 1
+    session = ScaleSession(namespace={}, config=config)
+    session.backend_name = "dask"
+    try:
+        session.start(2)
+        workers = session.backend.client.scheduler_info(n_workers=-1)["workers"].values()
+        assert [w["nthreads"] for w in workers] == [2, 2]
+    finally:
+        session.stop()

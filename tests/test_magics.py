@@ -19,10 +19,10 @@ assert isinstance(model, nn.Linear)
 assert len(jupyter_scale.history()) == 4
 """)
     # The README's loop, as it is under %%distribute, runs locally too.
-    from test_automatic import DESIGN_LOOP, NOTEBOOK
+    from test_automatic import README_LOOP, NOTEBOOK
 
     k.ok(NOTEBOOK)
-    k.ok(DESIGN_LOOP.split("\n", 1)[1])
+    k.ok(README_LOOP.split("\n", 1)[1])
     assert k.value("len(jupyter_scale.history())") == 4 + 3 * 32
     assert k.descendants() == []
 
@@ -43,7 +43,10 @@ assert len(jupyter_scale.history()) == 4
         ("%scale connect", "connect to what?"),
         ("%scale start tcp://127.0.0.1:8786", "goes with connect, not start"),
         ("%scale connect tcp://127.0.0.1:8786 --profile p", "not both"),
-        ("%scale connect tcp://127.0.0.1:8786 --backend dask", "drop --backend"),
+        ("%scale connect tcp://127.0.0.1:8786 --backend ipyparallel", "does not name an ipyparallel cluster"),
+        ("%scale connect ray://127.0.0.1:10001", "no installed engine connects to ray://127.0.0.1:10001"),
+        ("%scale connect --profile p --tls-cert c.pem --tls-ca-file ca.pem", "TLS files go with a Dask scheduler"),
+        ("%scale start --tls-cert c.pem", "go with connect, not start"),
         ("%scale connect tcp://127.0.0.1:8786 --rendezvous rank0", "--rendezvous takes an IP address or a network"),
         ("%scale start --rendezvous 10.0.0.0/8", "--rendezvous goes with connect, not start"),
     ],

@@ -1,4 +1,4 @@
-"""`--shard` trains a model that does not fit in one memory-capped worker (issue 19).
+"""`--shard` trains a model that does not fit in one memory-capped worker.
 
 Every worker's data size (RLIMIT_DATA, set from here with `resource.prlimit` on the worker
 processes only, never on the kernel) is capped at what it holds when the cap is set plus

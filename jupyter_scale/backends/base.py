@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import psutil
+from traitlets import Dict
+from traitlets.config import LoggingConfigurable
+from traitlets.traitlets import MetaHasTraits
 
 from ..errors import ClusterError
 
@@ -127,13 +130,37 @@ class Job(abc.ABC):
         return [self.result(r) for r in self.ranks]
 
 
-class Backend(abc.ABC):
-    """The engine-specific part: workers, calls, signals."""
+class _Configurable(MetaHasTraits, abc.ABCMeta):
+    """traitlets' metaclass with abstract methods."""
+
+
+class Backend(LoggingConfigurable, metaclass=_Configurable):
+    """The engine-specific part: workers, calls, signals.
+
+    A child of the session in traitlets' sense: `c.DaskBackend.cluster_options = {...}` in a
+    Jupyter config file (or the session's config) reaches the engine the session makes.
+    """
 
     name: str = ""
+    hub: str = "controller"  # what the engine calls the process its workers report to
     # True for a cluster this backend started (stop() ends its processes); False for one
     # it connected to (stop() only disconnects: the cluster is someone else's).
     owns_cluster: bool = True
+    # Connecting (see parse_address): asked last, for a host:port no other engine claims.
+    fallback: bool = False
+    connect_help: str = ""  # how a cluster of this engine is named to %scale connect
+
+    cluster_options = Dict(config=True, help="Keyword arguments for the engine's own cluster when it starts one "
+                                             "(ipyparallel.Cluster; Dask's LocalCluster or SLURMCluster), over "
+                                             "jupyter_scale's own.")
+
+    @classmethod
+    def parse_address(cls, address: str | None, options: dict) -> dict | None:
+        """The keyword arguments of `connect` for what the user connects to: `address` and
+        the options given (profile, cluster_id, url_file, tls), or None when they do not
+        name a cluster of this engine. Raises ValueError for an address of this engine
+        with options it cannot take."""
+        return None
 
     @abc.abstractmethod
     def start(self, n: int, timeout: float, launcher: Any = None) -> None:

@@ -271,9 +271,22 @@ class DaskBackend(Backend):
     """Workers are Dask workers; rank i is the i-th worker by (host, name)."""
 
     name = "dask"
+    hub = "scheduler"
+    fallback = True
+    connect_help = "a Dask scheduler's address (tcp://HOST:PORT, tls://HOST:PORT)"
 
-    def __init__(self, **cluster_options: Any):
-        self._cluster_options = cluster_options
+    @classmethod
+    def parse_address(cls, address: str | None, options: dict) -> dict | None:
+        if not address:
+            return None
+        scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+        if scheme not in ("tcp", "tls"):  # another engine's (ray://)
+            return None
+        return {"address": address if "://" in address else f"tcp://{address}",
+                **({"tls": options["tls"]} if options.get("tls") else {})}
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
         self._cluster: LocalCluster | None = None
         self.client: Client | None = None
         self._addresses: list[str] = []
@@ -321,7 +334,7 @@ class DaskBackend(Backend):
         )
         nannies: list[_Nanny] = []
         options.setdefault("worker_class", type("_Nanny", (_Nanny,), {"born": nannies}))
-        options.update(self._cluster_options)
+        options.update(self.cluster_options)
         scratch = tempfile.TemporaryDirectory(prefix="jupyter_scale-dask-")
         settings = {
             **_worker_settings(),
@@ -388,7 +401,7 @@ class DaskBackend(Backend):
             # After jobqueue's own: no nanny killing a worker that trains a big model.
             worker_extra_args=["--preload", shlex.quote(self._SLURM_WORKER_PRELOAD), "--memory-limit", "0"],
         )
-        options.update(self._cluster_options)
+        options.update(self.cluster_options)
         # No time limit asked: none in the script (the partition's), not dask-jobqueue's 30 minutes.
         with (dask.config.set({"jobqueue.slurm.walltime": None, **_FEW_KEPT}),
               engine_errors("could not start the Dask scheduler for Slurm")):

@@ -370,9 +370,24 @@ class IPyParallelBackend(Backend):
     """Workers are ipyparallel engines; rank i is the i-th engine id."""
 
     name = "ipyparallel"
+    connect_help = "an ipyparallel --profile NAME (and --cluster-id ID), or its ipcontroller-*-client.json file"
 
-    def __init__(self, **cluster_options: Any):
-        self._cluster_options = cluster_options
+    @classmethod
+    def parse_address(cls, address: str | None, options: dict) -> dict | None:
+        url_file = options.get("url_file") or (address if address and address.endswith(".json") else None)
+        where = {k: v for k, v in dict(profile=options.get("profile"), cluster_id=options.get("cluster_id"),
+                                        url_file=url_file).items() if v}
+        if not where:
+            return None
+        if address and address != url_file:
+            raise ValueError(f"give a cluster's address ({address}) or an ipyparallel --profile/--cluster-id, not both")
+        if options.get("tls"):
+            raise ValueError("TLS files go with a Dask scheduler's tls:// address; an ipyparallel controller's "
+                             "connection file carries its own keys")
+        return where
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
         self._cluster: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
         self._engine_ids: list[int] = []
@@ -408,16 +423,16 @@ class IPyParallelBackend(Backend):
             # this backend holds the cluster. The connection files it keeps are owner-only.
             cluster_file="",
         )
-        if not {"controller", "controller_launcher_class"} & set(self._cluster_options):
+        if not {"controller", "controller_launcher_class"} & set(self.cluster_options):
             options["controller_launcher_class"] = _controller(psutil.Process())
         if isinstance(launcher, SlurmLauncher):
             launcher.check(tasks=n, worker_per_job=False)
             options["engine_launcher_class"] = _slurm_engines(launcher)
         elif isinstance(launcher, MPILauncher):
             options["engine_launcher_class"] = _mpi_engines(launcher, n)
-        elif not {"engines", "engine_launcher_class"} & set(self._cluster_options):
+        elif not {"engines", "engine_launcher_class"} & set(self.cluster_options):
             options["engine_launcher_class"] = _EngineSetLauncher  # local engines, exit codes kept
-        options.update(self._cluster_options)
+        options.update(self.cluster_options)
         cluster = ipp.Cluster(**options)
         _keep_private(cluster)
         if isinstance(launcher, SlurmLauncher):
