@@ -63,13 +63,12 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import nbformat
 import psutil
 from nbclient import NotebookClient
-
 from torchrun import run_torchrun  # benchmarks/, the script's own folder
 
 HERE = Path(__file__).resolve().parent
@@ -98,7 +97,8 @@ import time, torch, torch.nn as nn
 from torch.utils.data import TensorDataset, DataLoader
 STEPS, WARM, RANKS = {steps}, {warm}, {ranks}
 g = torch.Generator().manual_seed(1)
-data = TensorDataset(torch.randn(STEPS * 64 * RANKS, 256, generator=g), torch.randint(0, 10, (STEPS * 64 * RANKS,), generator=g))
+data = TensorDataset(torch.randn(STEPS * 64 * RANKS, 256, generator=g),
+                     torch.randint(0, 10, (STEPS * 64 * RANKS,), generator=g))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 """

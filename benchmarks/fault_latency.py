@@ -34,8 +34,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from kernel import Kernel  # noqa: E402
 from torchrun import run_torchrun  # noqa: E402  (benchmarks/, the script's own folder)
+
+from kernel import Kernel  # noqa: E402
 
 SETUP = "%load_ext jupyter_scale\nimport torch, torch.nn as nn, torch.distributed as dist\nimport jupyter_scale"
 

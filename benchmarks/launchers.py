@@ -259,6 +259,10 @@ def main() -> None:
 
     # The kernel side's imports, before any clock runs (a notebook's first %%distribute pays
     # them once; here every configuration would otherwise pay them, or the first one alone).
+    # Python's resource tracker (one per process, for the rest of its life), which the first
+    # spawned process starts (Dask's nannies spawn their workers).
+    from multiprocessing import resource_tracker
+
     import distributed
     import ipyparallel
     import torch
@@ -267,9 +271,6 @@ def main() -> None:
     import jupyter_scale.backends.dask  # noqa: F401
     import jupyter_scale.backends.ipyparallel  # noqa: F401
     import jupyter_scale.session  # noqa: F401
-    # Python's resource tracker (one per process, for the rest of its life), which the first
-    # spawned process starts (Dask's nannies spawn their workers).
-    from multiprocessing import resource_tracker
     resource_tracker.ensure_running()
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "jupyter_scale": getattr(jupyter_scale, "__version__", None),

@@ -45,9 +45,18 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import hosts  # noqa: E402  tests/hosts.py
 from compare import (  # noqa: E402  benchmarks/, the script's own folder
-    bench_record, cell_started, distribute_cells, median, print_table, progress, ratio, run_cells, save_results,
+    bench_record,
+    cell_started,
+    distribute_cells,
+    median,
+    print_table,
+    progress,
+    ratio,
+    run_cells,
+    save_results,
     spread,
-    torchrun_script, training_result,
+    torchrun_script,
+    training_result,
 )
 
 TOOLS = {  # name -> how the table calls it

@@ -73,7 +73,15 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compare import (  # noqa: E402  benchmarks/, the script's own folder
-    bench_records, fmt, median, run_cells, print_table, progress, ratio, save_results, spread,
+    bench_records,
+    fmt,
+    median,
+    print_table,
+    progress,
+    ratio,
+    run_cells,
+    save_results,
+    spread,
 )
 
 # name -> (the flags on the %%distribute line, environment for the kernel and so its workers)

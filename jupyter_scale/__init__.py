@@ -11,8 +11,16 @@ from __future__ import annotations
 from ._version import __version__
 from .batchnorm import sync_batchnorm
 from .checkpoint import load_checkpoint, save_checkpoint
-from .errors import (CellTimeout, ClusterError, DistributeError, RemoteError, ShippingError, WorkerCallFailed,
-                     WorkerDied, WorkerLost)
+from .errors import (
+    CellTimeout,
+    ClusterError,
+    DistributeError,
+    RemoteError,
+    ShippingError,
+    WorkerCallFailed,
+    WorkerDied,
+    WorkerLost,
+)
 from .metrics import report
 from .training import shard, shard_model, wrap
 

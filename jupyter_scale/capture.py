@@ -11,7 +11,8 @@ import contextlib
 import io
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .backends.base import Output
 

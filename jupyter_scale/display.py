@@ -75,7 +75,7 @@ class RunView:
 
     MAX_RATE = 10.0  # dashboard updates per second at most, whatever the report rate
 
-    def __init__(self, session: "ScaleSession", record: "RunRecord", total_steps: int | None):
+    def __init__(self, session: ScaleSession, record: RunRecord, total_steps: int | None):
         self.text = metrics.TextProgress(session.progress_interval)
         self.feed = None
         self.widget = self.handle = None
@@ -107,7 +107,7 @@ class RunView:
         elif self.text.due():
             write("stdout", f"jupyter_scale: {self.text.line()}\n")
 
-    def finish(self, record: "RunRecord") -> None:
+    def finish(self, record: RunRecord) -> None:
         if self.feed is None:
             if self.text.last:
                 write("stdout", f"jupyter_scale: {self.text.line()}  ({time.monotonic() - self._started:.1f} s)\n")
@@ -127,7 +127,7 @@ class RunView:
         self.handle.update(bundle, raw=True)
 
 
-def wants_widget(session: "ScaleSession") -> bool:
+def wants_widget(session: ScaleSession) -> bool:
     """The live widget where a frontend shows it (JupyterLab, VS Code); else text lines."""
     if session.display != "auto":
         return session.display == "widget"

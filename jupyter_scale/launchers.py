@@ -23,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from traitlets import Bool, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable

@@ -63,14 +63,16 @@ def _launcher_arguments(magic):
                             help="where a new cluster's workers run: local (default), slurm (a Slurm job), "
                                  "mpi (one mpiexec; ipyparallel)")),
         ("--partition", dict(default=None, help="slurm: the partition")),
-        ("--time", dict(default=None, dest="time_limit", type=_checked("--time", launchers.check_time_limit), help="slurm: the job's time limit (HH:MM:SS)")),
+        ("--time", dict(default=None, dest="time_limit", type=_checked("--time", launchers.check_time_limit),
+                        help="slurm: the job's time limit (HH:MM:SS)")),
         ("--account", dict(default=None, help="slurm: the account to charge")),
         ("--qos", dict(default=None, help="slurm: the quality of service")),
         ("--cpus-per-worker", dict(default=None, type=_positive_int_named("--cpus-per-worker"),
                                    help="slurm: CPUs per worker (default 1)")),
         ("--gpus-per-worker", dict(default=None, type=_positive_int_named("--gpus-per-worker"),
                                    help="slurm: GPUs per worker (default none)")),
-        ("--mem", dict(default=None, dest="memory", type=_checked("--mem", launchers.memory_megabytes), help="slurm: memory per worker (16G)")),
+        ("--mem", dict(default=None, dest="memory", type=_checked("--mem", launchers.memory_megabytes),
+                       help="slurm: memory per worker (16G)")),
     ]):
         magic = argument(flag, **kwargs)(magic)
     return magic
@@ -324,7 +326,8 @@ def format_status(info: dict) -> str:
             text += f"\n  Slurm job {job['job']}: {job['state']}" + (f" on {job['nodes']}" if job.get("nodes") else "") + (
                 f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else "")
         if info.get("scheduler"):
-            text += f"\n  scheduler {info['scheduler']}" + (f", dashboard {info['dashboard']}" if info.get("dashboard") else "")
+            text += f"\n  scheduler {info['scheduler']}" + (
+                f", dashboard {info['dashboard']}" if info.get("dashboard") else "")
         for r in info.get("ranks", []):
             text += f"\n  rank {r['rank']}: pid {r['pid']} on {r['hostname']}, device {r.get('device', '?')}"
     if "last_run" in info:

@@ -26,7 +26,8 @@ import numbers
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import zmq
@@ -52,7 +53,7 @@ _STAMPED = ("rank", "time", "kind")  # set by report itself (a point with its ow
 class Recorder:
     """Collects the points one process reports (and streams them when it has a sink)."""
 
-    def __init__(self, rank: int = 0, sink: "EventSink | None" = None):
+    def __init__(self, rank: int = 0, sink: EventSink | None = None):
         self.rank = rank
         self.sink = sink
         self.points: list[dict] = []

@@ -8,8 +8,9 @@ comes. The notebook then holds what the workers hold, and shipping knows it (`ma
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +30,7 @@ class Puller:
     timeout: float  # for each chunk's answer
     abandon: Callable[[Job], None]  # stops a chunk's job that failed; the group is then formed anew
 
-    def apply(self, header: dict, frames: tuple, record: "RunRecord") -> None:
+    def apply(self, header: dict, frames: tuple, record: RunRecord) -> None:
         """Rank 0's answer to the cell's pulls: each value into the notebook, all or nothing
         per value; what cannot apply is said in one line and the rest goes on."""
         at = 0
@@ -101,8 +102,9 @@ class Puller:
                 answers = job.wait(self.timeout)
             except BaseException as exc:
                 self.abandon(job)
-                raise RuntimeError(f"{exc}; {written} of {sum(len(c) for c in chunks)} of its tensors were written: the notebook's "
-                                   f"{name} is partly updated (the workers still hold the trained model)") from None
+                raise RuntimeError(f"{exc}; {written} of {sum(len(c) for c in chunks)} of its tensors were written: "
+                                   f"the notebook's {name} is partly updated "
+                                   "(the workers still hold the trained model)") from None
             finally:
                 job.release()
             values = shipping.loads(answers[0][1], answers[0][2:], copy=False, namespace=self.namespace)

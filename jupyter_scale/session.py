@@ -13,7 +13,8 @@ import shutil
 import sys
 import time
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from traitlets import Bool, Float, Integer, Unicode, default
@@ -277,7 +278,7 @@ class ScaleSession(LoggingConfigurable):
                 self._frames_out = None
 
     @staticmethod
-    def _release(placement: "launchers.Launcher | None") -> None:
+    def _release(placement: launchers.Launcher | None) -> None:
         """After the engine stopped its workers: nothing of them left (a Slurm job out of the queue)."""
         if placement is not None:
             try:
@@ -667,7 +668,7 @@ class ScaleSession(LoggingConfigurable):
         finally:
             job.release()
 
-    def _finish_run(self, view: "display.RunView", record: RunRecord) -> None:
+    def _finish_run(self, view: display.RunView, record: RunRecord) -> None:
         """Show the run's end in the cell and tell the observers (the sidebar)."""
         view.finish(record)
         self._notify("run_finished", record)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 MIN_FRAME = 1 << 20  # smaller frames ride the engine's message: a file would cost more
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call

@@ -43,9 +43,10 @@ import io
 import itertools
 import pickle
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import CodeType, FunctionType, ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import cloudpickle
 import cloudpickle.cloudpickle as _cloudpickle
@@ -580,7 +581,7 @@ class _ShipPickler(_NamespaceFunctions, cloudpickle.Pickler):
     """Pickles for the workers: each tensor becomes a reference to its token, and each
     object of a name that is not sent (the workers hold it) a reference to the name."""
 
-    def __init__(self, file, shipper: "Shipper", plan: "Plan", sent: list[str], buffers: list):
+    def __init__(self, file, shipper: Shipper, plan: Plan, sent: list[str], buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._init_namespace(shipper.namespace, plan.named, {id(plan.values[n]) for n in sent})
         self.shipper = shipper
@@ -863,7 +864,7 @@ class Shipper:
 
 
 class _ReceiveUnpickler(pickle.Unpickler):
-    def __init__(self, file, buffers, receiver: "Receiver"):
+    def __init__(self, file, buffers, receiver: Receiver):
         super().__init__(file, buffers=buffers)
         self.receiver = receiver
 

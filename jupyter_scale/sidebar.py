@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from ._version import __version__
 from .errors import DistributeError
@@ -28,6 +28,66 @@ log = logging.getLogger(__name__)
 
 COMM_TARGET = "jupyter_scale"
 PUSH_INTERVAL = 0.25  # seconds between state messages while a cell runs
+
+
+# What the sidebar is sent. labextension/src/connection.ts declares the same shapes (its
+# IScaleState, ICluster, IRank, IJob, IProgress); tests/test_sidebar.py checks the two agree.
+class ClusterState(TypedDict):
+    running: bool
+    engine: str
+    workers: int
+    connected: bool
+    addresses: dict[str, str]  # what the engine says where it is (scheduler, dashboard ...)
+    group: dict  # the process group: backend, master_addr, master_port, ready
+
+
+class _RankShown(TypedDict):
+    rank: int
+    state: str  # idle, starting, running, in collective, finished, failed, stopped, dead
+    pid: int | None
+    host: str | None
+    device: str
+
+
+class RankState(_RankShown, total=False):  # and, once it reported them:
+    memory: str
+    last_step: int
+    steps_per_s: float
+    epoch: int
+    collective: str  # while it waits in one
+    waiting_s: float
+
+
+class _Progress(TypedDict):
+    step: int
+    rate: float
+    elapsed: float
+
+
+class ProgressState(_Progress, total=False):
+    total: int  # given --steps
+    eta: float
+    epoch: int
+
+
+class JobState(TypedDict):
+    index: int
+    status: str  # running, finished, failed, interrupted, timed out
+    error: str
+    workers: int
+    metric: str
+    series: dict[str, list[list[float]]]  # "0", "1", ..., "mean" -> [[step, value], ...]
+    colors: list[str]  # the ranks' curves in turn
+    progress: ProgressState
+    fraction: float | None
+
+
+class ScaleState(TypedDict):
+    type: str  # "state"
+    version: str
+    cluster: ClusterState
+    ranks: list[RankState]
+    job: JobState | None
 
 
 class SidebarChannel:
@@ -146,10 +206,10 @@ class SidebarChannel:
         self.push(force=True)
 
     # -- what the sidebar shows ----------------------------------------------------
-    def state(self) -> dict:
+    def state(self) -> ScaleState:
         session = self.session
         info = session.status()
-        cluster = {
+        cluster: ClusterState = {
             "running": info["running"],
             "engine": info["backend"],
             "workers": info["workers"],
@@ -160,7 +220,7 @@ class SidebarChannel:
         return {"type": "state", "version": __version__, "cluster": cluster, "ranks": self._ranks(info),
                 "job": self._job()}
 
-    def _ranks(self, info: dict) -> list[dict]:
+    def _ranks(self, info: dict) -> list[RankState]:
         if not info["running"]:
             return []
         running = self.record is not None and self.record.status == "running"
@@ -171,7 +231,7 @@ class SidebarChannel:
         now = time.time()
         for described in info.get("ranks", []):
             rank = described["rank"]
-            row = {"rank": rank, "pid": described.get("pid"), "host": described.get("hostname"),
+            row: RankState = {"rank": rank, "pid": described.get("pid"), "host": described.get("hostname"),
                    "device": described.get("device", ""), "state": "idle"}
             fed = self.feed.rows.get(rank, {}) if self.feed is not None else {}
             if fed.get("pid") != row["pid"]:  # the job ran on workers since replaced
@@ -193,7 +253,7 @@ class SidebarChannel:
             rows.append(row)
         return rows
 
-    def _job(self) -> dict | None:
+    def _job(self) -> JobState | None:
         record, feed = self.record, self.feed
         if record is None or feed is None:
             return None

@@ -14,17 +14,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
-                              SequentialSampler, Subset)
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+)
 
 from . import rendezvous
-
 
 _sharding = None  # the Sharding of the --shard cell running now
 
 # Every DDP model built on this worker: automatic mode must not average their gradients
 # a second time.
-DDP_MODELS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+DDP_MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
 def _distributed() -> bool:
@@ -617,7 +623,7 @@ def _buckets(params: list[torch.Tensor]):
         yield bucket
 
 
-_active: "AutoMode | None" = None  # the automatic mode of the cell running now, if any
+_active: AutoMode | None = None  # the automatic mode of the cell running now, if any
 # > 0 while automatic mode runs collectives that are not the cell's: resync, before the
 # cell's code (its gradient averaging needs no exclusion: that is distribution anyway).
 _own_collectives = 0
@@ -796,7 +802,7 @@ class Sharding:
         self.options = options  # shard_model's
         self._replaced = replaced  # told {id of an old parameter: its new one}
 
-    def __enter__(self) -> "Sharding":
+    def __enter__(self) -> Sharding:
         global _sharding
         _install_patches()
         _sharding = self
@@ -859,7 +865,7 @@ class AutoMode:
         # A loader was sharded, gradients were averaged or the cell ran a collective itself.
         self._distributed_work = False
 
-    def __enter__(self) -> "AutoMode":
+    def __enter__(self) -> AutoMode:
         global _active
         _install_patches()
         # DDP models made before the hooks existed (e.g. in an earlier --manual cell):

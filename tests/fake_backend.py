@@ -15,7 +15,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jupyter_scale import backends, metrics, rendezvous, worker
 from jupyter_scale.backends import Backend, Job, Output
@@ -29,7 +30,7 @@ class Died(Exception):
 class Rank:
     """What a script sees of its rank while the cell runs."""
 
-    def __init__(self, rank: int, request: dict, job: "FakeJob", store: dict):
+    def __init__(self, rank: int, request: dict, job: FakeJob, store: dict):
         self.rank, self.request, self._job, self._store = rank, request, job, store
         self.interrupted = threading.Event()
         self.sink = metrics.EventSink(request["events"], rank, request["events_key"])

@@ -459,7 +459,8 @@ class Host:
         # needs (a checkout and its virtual environment under /tmp, as CI may have): bound
         # back in from the old /tmp, held open as fd 3 while the new one is mounted over it.
         setup = ('hostname "$1" && exec 3</tmp && mount -t tmpfs -o mode=1777 tmpfs /tmp'
-                 ' && for rel in $4; do mkdir -p "/tmp/$rel" && mount --no-canonicalize --bind "/proc/self/fd/3/$rel" "/tmp/$rel"'
+                 ' && for rel in $4; do mkdir -p "/tmp/$rel"'
+                 ' && mount --no-canonicalize --bind "/proc/self/fd/3/$rel" "/tmp/$rel"'
                  ' || exit 1; done && exec 3<&-'
                  ' && mount -t tmpfs -o mode=1777 tmpfs /dev/shm'
                  ' && umount -l /sys && mount -t sysfs sysfs /sys'  # /sys/class/net of this host, as ip netns exec does

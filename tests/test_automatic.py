@@ -185,7 +185,8 @@ assert not close(bn_auto, bn_base)
     k.ok("%%distribute --pull bn_seed\npass")
     k.ok("%%distribute --manual\nnet = jupyter_scale.wrap(bn_ddp)\n"
          + BN_LOOP.format(seed="").replace("loader = DataLoader(data, batch_size=32, shuffle=True)",
-                                           "loader = jupyter_scale.shard(DataLoader(data, batch_size=32, shuffle=True), seed=bn_seed)"))
+                                           "loader = jupyter_scale.shard(DataLoader(data, batch_size=32, shuffle=True), "
+                                           "seed=bn_seed)"))
     k.ok("""
 assert close(bn_auto, bn_ddp), (flat(bn_auto) - flat(bn_ddp)).abs().max()
 ra = dict(bn_auto.named_buffers()); rd = dict(bn_ddp.named_buffers())

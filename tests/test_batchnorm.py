@@ -378,4 +378,5 @@ except ValueError as e:
     torch_error = str(e)
 """)
     errors = nb.value("jupyter_scale.get_session().gather('torch_error')")
-    assert len(errors) == 2 and all(e and e.startswith("SyncBatchNorm expected input tensor to be on GPU") for e in errors), errors
+    assert len(errors) == 2 and all(e and e.startswith("SyncBatchNorm expected input tensor to be on GPU")
+                                    for e in errors), errors

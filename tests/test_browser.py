@@ -17,7 +17,6 @@ import psutil
 import pytest
 
 from conftest import wait_gone
-
 from jupyter_scale.widgets import PALETTE
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -122,7 +122,8 @@ def test_connect_to_a_dask_cli_cluster_trains_and_leaves_it_running(dask_cli_clu
         assert "connected dask cluster, 2 workers" in status and address in status
         # The workers are the CLI processes, not anything the kernel started.
         pids = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
-        assert set(pids) <= {c.pid for p in processes[1:] for c in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]}
+        assert set(pids) <= {c.pid for p in processes[1:]
+                             for c in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]}
         assert k.descendants() == []
 
         trained = k.ok(TRAIN, timeout=180)

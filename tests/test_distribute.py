@@ -1,6 +1,7 @@
 """%%distribute end to end: a real kernel, a real ipyparallel or Dask cluster, real gloo."""
 
 import threading
+
 import psutil
 import pytest
 

@@ -303,7 +303,7 @@ def test_an_interrupt_while_a_rank_waits_in_a_collective_is_a_keyboard_interrupt
     for _ in range(2):
         timer = threading.Timer(1.5, kernel.manager.interrupt_kernel)
 
-        def on_stream(name, text):
+        def on_stream(name, text, timer=timer):  # this pass's timer
             if "[rank 0] looping" in text and not timer.is_alive() and not timer.finished.is_set():
                 timer.start()
 

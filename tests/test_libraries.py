@@ -2,8 +2,8 @@
 distribution did nothing. Real cells on a real 2-rank gloo group, on both engines."""
 
 import pytest
-from conftest import COUNT_AVERAGING
 
+from conftest import COUNT_AVERAGING
 from jupyter_scale.training import ITERABLE, NOTHING_DISTRIBUTED, OWN_SAMPLER
 
 NOTEBOOK = """

@@ -19,7 +19,7 @@ assert isinstance(model, nn.Linear)
 assert len(jupyter_scale.history()) == 4
 """)
     # The README's loop, as it is under %%distribute, runs locally too.
-    from test_automatic import README_LOOP, NOTEBOOK
+    from test_automatic import NOTEBOOK, README_LOOP
 
     k.ok(NOTEBOOK)
     k.ok(README_LOOP.split("\n", 1)[1])

@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 import zmq
+from stranger import require_stranger, run_as_stranger
 
 from jupyter_scale import metrics
-from stranger import require_stranger, run_as_stranger
 
 
 def _sign(key: str, batch) -> bytes:
@@ -307,7 +307,7 @@ while not pathlib.Path({str(flag)!r}).exists():   # the kernel shows progress wh
     time.sleep(0.05)
 """, on_stream=on_stream)
     assert out.ok, out.error_text
-    progress_lines = [l for l in out.stdout.splitlines() if l.startswith("jupyter_scale: step")]
+    progress_lines = [line for line in out.stdout.splitlines() if line.startswith("jupyter_scale: step")]
     assert 1 <= len(progress_lines) <= 40  # periodic lines, not one per report
     assert "loss r0" in progress_lines[0] and "r1" in progress_lines[0]
     kernel.ok("""

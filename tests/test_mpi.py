@@ -14,9 +14,10 @@ pytestmark = [
 ]
 mpi4py = pytest.importorskip("mpi4py", reason="needs mpi4py (pip install 'jupyter_scale[mpi]')")
 
-TRAIN = "%%distribute\nfrom mpi4py import MPI\ncomm = MPI.COMM_WORLD" + README_LOOP + """# MPI's own collective beside torch.distributed's: the ranks agree on who is who.
+TRAIN = ("%%distribute\nfrom mpi4py import MPI\ncomm = MPI.COMM_WORLD" + README_LOOP
+         + """# MPI's own collective beside torch.distributed's: the ranks agree on who is who.
 seen = dict(mpi_rank=comm.Get_rank(), mpi_size=comm.Get_size(), ranks=comm.allgather(rank))
-"""
+""")
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ def test_the_wheel_installs_without_node_and_jupyterlab_loads_the_extension(tmp_
     run([*pip, "torch==2.13.0"], env=no_node)  # first and pinned: the CPU build on disk
     run([*pip, str(wheel), "jupyterlab"], env=no_node)
     listed = run([str(bin_dir / "jupyter"), "labextension", "list"], env=no_node)
-    line = next(l for l in listed.splitlines() if "jupyter-scale" in l)
+    line = next(listed_line for listed_line in listed.splitlines() if "jupyter-scale" in listed_line)
     assert "v" + json.loads((ROOT / "labextension" / "package.json").read_text())["version"] in line
     assert "enabled" in line and "OK" in line, line
     assert "(python, jupyter_scale)" in line

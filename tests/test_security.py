@@ -13,10 +13,10 @@ import uuid
 
 import psutil
 import pytest
+from stranger import require_stranger, run_as_stranger
 
 from conftest import ENGINES, SETUP, _stop_and_check
 from kernel import Kernel
-from stranger import require_stranger, run_as_stranger
 
 CHECK_CELL = """%%distribute --workers 2
 t = torch.ones(1)

@@ -217,7 +217,8 @@ class SavedNet(nn.Module):
         return self.lin(x)
 saved_net = SavedNet()
 """)
-    k.ok(f"%%distribute\ntorch.save(saved_net, {str(path)!r}.format(rank))\ntorch.save(SavedNet(), {str(path)!r}.format(rank) + '.fresh')")
+    k.ok(f"%%distribute\ntorch.save(saved_net, {str(path)!r}.format(rank))\n"
+         f"torch.save(SavedNet(), {str(path)!r}.format(rank) + '.fresh')")
     k.ok(f"""
 loaded = torch.load({str(path)!r}.format(0), weights_only=False)
 assert type(loaded) is SavedNet

@@ -8,6 +8,7 @@ afterwards the notebook's model holds the whole trained weights, gathered from e
 import textwrap
 
 import pytest
+
 from conftest import COUNT_AVERAGING
 
 NOTEBOOK = """
@@ -119,14 +120,16 @@ assert (flat(model) - flat(start)).abs().max().item() > 1e-3, "the notebook's op
 
 def test_shard_with_manual_is_refused_in_one_line(k):
     out = k.cell("%%distribute --shard --manual\nx = 1")
-    assert out.stderr.startswith("UsageError: --shard is automatic mode's; with --manual, call jupyter_scale.shard_model"), out.stderr
+    assert out.stderr.startswith(
+        "UsageError: --shard is automatic mode's; with --manual, call jupyter_scale.shard_model"), out.stderr
 
 
 def test_a_sharded_checkpoint_of_two_ranks_loads_into_three_and_into_the_notebook(k, tmp_path):
     path = str(tmp_path / "ckpt")
     k.ok("torch.manual_seed(0)\nmodel = Tied()\ntorch.manual_seed(7)")
     k.ok("%%distribute --workers 2 --shard\n"
-         "opt = torch.optim.Adam(model.parameters(), lr=0.01)" + LOOP.replace("opt = torch.optim.SGD(model.parameters(), lr=0.1)\n", "") +
+         "opt = torch.optim.Adam(model.parameters(), lr=0.01)"
+         + LOOP.replace("opt = torch.optim.SGD(model.parameters(), lr=0.1)\n", "") +
          f"jupyter_scale.save_checkpoint({path!r}, model=model, optimizer=opt)\n", timeout=300)
     k.ok("trained = copy.deepcopy(model)")
     # Three ranks, a model initialized differently, a fresh optimizer: all from the checkpoint.
@@ -267,7 +270,8 @@ else:
 assert message.startswith("shard_model: table (Positions) was built on the meta device and nothing initializes it"), message
 with torch.device("meta"):
     positions = Positions()
-jupyter_scale.shard_model(positions, init=lambda m: nn.init.zeros_(m.table) if isinstance(m, Positions) else m.reset_parameters())
+jupyter_scale.shard_model(positions,
+                          init=lambda m: nn.init.zeros_(m.table) if isinstance(m, Positions) else m.reset_parameters())
 assert torch.equal(positions.table, torch.zeros(4, 16))
 """)
 

@@ -2,24 +2,57 @@
 from a real kernel driving a real cluster (no browser; test_browser.py has the browser)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from conftest import SETUP, wait_gone
+from jupyter_scale import sidebar as kernel_end
 from kernel import Kernel
 
 ROOT = Path(__file__).resolve().parent.parent
+# Each shape the kernel sends, by its name in labextension/src/connection.ts.
+SHAPES = {"IScaleState": kernel_end.ScaleState, "ICluster": kernel_end.ClusterState, "IRank": kernel_end.RankState,
+          "IJob": kernel_end.JobState, "IProgress": kernel_end.ProgressState}
+
+
+def _keys(shape) -> dict[str, bool]:
+    """A TypedDict's keys: whether each is always there."""
+    return {k: k in shape.__required_keys__ for k in shape.__required_keys__ | shape.__optional_keys__}
+
+
+def _conforms(data: dict, shape) -> None:
+    keys = _keys(shape)
+    assert set(data) <= set(keys), f"{shape.__name__} does not declare {sorted(set(data) - set(keys))}"
+    assert {k for k, always in keys.items() if always} <= set(data), f"{shape.__name__}: missing keys in {data}"
 
 
 def states(result):
-    """The state messages the kernel sent, in order."""
+    """The state messages the kernel sent, in order; each checked against the declared shapes."""
     found = []
     for comm in result.comms:
         data = comm.get("data") or {}
         if data.get("type") == "state":
+            _conforms(data, kernel_end.ScaleState)
+            _conforms(data["cluster"], kernel_end.ClusterState)
+            for rank in data["ranks"]:
+                _conforms(rank, kernel_end.RankState)
+            if data["job"] is not None:
+                _conforms(data["job"], kernel_end.JobState)
+                _conforms(data["job"]["progress"], kernel_end.ProgressState)
             found.append(data)
     return found
+
+
+def test_the_sidebars_typescript_declares_what_the_kernel_sends():
+    text = (ROOT / "labextension" / "src" / "connection.ts").read_text()
+    declared = {}
+    for name, body in re.findall(r"export interface (\w+) \{\n(.*?)\n\}", text, re.S):
+        declared[name] = {m.group(1): m.group(2) != "?"
+                          for m in (re.match(r"\s+(\w+)(\??):", line) for line in body.splitlines()) if m}
+    for name, shape in SHAPES.items():
+        assert declared.get(name) == _keys(shape), f"{name} in connection.ts and {shape.__name__} differ"
 
 
 def errors(result):
@@ -59,7 +92,9 @@ def test_start_from_the_sidebar_lists_every_rank_idle(sidebar):
 
 def test_the_greeting_comm_gets_states_once_a_sidebar_answers_on_it(sidebar):
     k, comm = sidebar
-    to = lambda result, comm_id: [s for s in result.comms if s["comm_id"] == comm_id and s["data"].get("type") == "state"]
+    def to(result, comm_id):
+        return [s for s in result.comms if s["comm_id"] == comm_id and s["data"].get("type") == "state"]
+
     quiet = k.ok("%%distribute\nx = 1")
     assert to(quiet, comm) and not to(quiet, k.greeting)  # nbclient and nbval never answer it
     answered = k.comm_send(k.greeting, {"action": "refresh"})  # what the extension does on adopting it

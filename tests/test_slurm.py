@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = README_DATA
 
 # The README's loop, unchanged (automatic mode), plus where each rank ran.
-TRAIN = "%%distribute\nimport os" + README_LOOP + """seen = dict(job=os.environ.get("SLURM_JOB_ID"), task=os.environ.get("SLURM_PROCID"), world_size=world_size)
-"""
+TRAIN = ("%%distribute\nimport os" + README_LOOP
+         + """seen = dict(job=os.environ.get("SLURM_JOB_ID"), task=os.environ.get("SLURM_PROCID"), world_size=world_size)
+""")
 
 # Trains until stopped from outside (or for 200 s), saying when it has begun.
 LONG = """%%distribute
@@ -173,7 +174,8 @@ def test_a_pending_job_is_waited_for_with_its_state_not_timed_out(kernel, cluste
     finally:
         k.ok("%config SlurmLauncher.sbatch_options = []\n%config ScaleSession.start_timeout = 120.0")
     assert out.ok, out.error_text
-    assert len(said) == 2 and re.search(r"jupyter_scale: Slurm jobs? [\d, ]+ pending \(JobHeldUser\) for 2\d s", said[1]), said
+    assert len(said) == 2 and re.search(r"jupyter_scale: Slurm jobs? [\d, ]+ pending \(JobHeldUser\) for 2\d s",
+                                        said[1]), said
     assert "2 workers ready" in out.stdout
 
 

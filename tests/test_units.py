@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jupyter_scale
 from jupyter_scale import metrics, rendezvous, training
-from jupyter_scale.errors import RankFailure, RemoteError
 from jupyter_scale.display import LineLabeler
+from jupyter_scale.errors import RankFailure, RemoteError
 
 
 def test_helpers_are_no_ops_outside_distribute():

@@ -4,6 +4,7 @@
     jupyter nbconvert --to notebook --execute --inplace examples/quickstart.ipynb
 """
 import nbformat as nbf
+
 nb = nbf.v4.new_notebook()
 md, code = nbf.v4.new_markdown_cell, nbf.v4.new_code_cell
 def ignore(source):

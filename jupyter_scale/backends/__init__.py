@@ -14,8 +14,17 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import ClusterError, WorkerCallFailed, WorkerLost
-from .base import (CONNECT_TIMEOUT_S, OUTPUT_GRACE_S, Backend, Job, Output, describe_exit, descendants,
-                   end_processes, engine_errors)
+from .base import (
+    CONNECT_TIMEOUT_S,
+    OUTPUT_GRACE_S,
+    Backend,
+    Job,
+    Output,
+    descendants,
+    describe_exit,
+    end_processes,
+    engine_errors,
+)
 
 __all__ = ["CONNECT_TIMEOUT_S", "OUTPUT_GRACE_S", "Backend", "Job", "Output", "WorkerCallFailed", "WorkerLost",
            "available_backends", "backend_class", "create_backend", "describe_exit", "descendants",

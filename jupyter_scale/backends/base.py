@@ -21,8 +21,9 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import psutil
 from traitlets import Dict
@@ -116,7 +117,8 @@ class Job(abc.ABC):
         self._activity.wait(timeout)
         self._activity.clear()
 
-    def release(self) -> None:
+    # A no-op by default, not abstract: only engines that keep something override it.
+    def release(self) -> None:  # noqa: B027
         """Drop whatever the engine keeps of this job (results can be large)."""
 
     def wait(self, timeout: float, poll: float = 0.1) -> list[Any]:

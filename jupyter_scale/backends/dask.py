@@ -21,12 +21,13 @@ import logging
 import os
 import pickle
 import shlex
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import dask
 import psutil
@@ -202,7 +203,7 @@ class _TopicEventQueue(metrics.EventQueue):
 
 
 class _DaskJob(Job):
-    def __init__(self, backend: "DaskBackend", job_id: str, futures: dict, held: list):
+    def __init__(self, backend: DaskBackend, job_id: str, futures: dict, held: list):
         super().__init__(list(futures))
         self._backend = backend
         self.job_id = job_id
@@ -376,7 +377,9 @@ class DaskBackend(Backend):
         try:
             from dask_jobqueue import SLURMCluster
         except ImportError as exc:
-            raise ClusterError("the slurm launcher on Dask needs dask-jobqueue (pip install 'jupyter_scale[slurm]')") from exc
+            raise ClusterError(
+                "the slurm launcher on Dask needs dask-jobqueue (pip install 'jupyter_scale[slurm]')"
+            ) from exc
         launcher.check(tasks=1, worker_per_job=True)
         directory = launcher.directory()
         address = launcher.listen_address()

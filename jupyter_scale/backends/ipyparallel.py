@@ -8,12 +8,18 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ipyparallel as ipp
 import psutil
-from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
-                                          MPIEngineSetLauncher, SlurmEngineSetLauncher)
+from ipyparallel.cluster.launcher import (
+    LocalControllerLauncher,
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    MPIEngineSetLauncher,
+    SlurmEngineSetLauncher,
+)
 from traitlets import Dict, List, Unicode
 
 from .. import metrics
@@ -461,7 +467,8 @@ class IPyParallelBackend(Backend):
             if isinstance(exc, KeyboardInterrupt):
                 raise
             raise ClusterError(f"could not start {n} ipyparallel engines: {detail}"
-                               + ("; fix the engines' environment and run the cell again" if detail != str(exc) else "")) from exc
+                               + ("; fix the engines' environment and run the cell again"
+                                  if detail != str(exc) else "")) from exc
         self._cluster, self._client = cluster, client
         self._engine_ids = sorted(client.ids)[:n]
 
@@ -581,7 +588,8 @@ class IPyParallelBackend(Backend):
         launchers = [self._cluster.controller]
         for engine_set in self._cluster.engines.values():
             launchers.extend(getattr(engine_set, "launchers", {}).values())
-        return [l.process for l in launchers if l is not None and getattr(l, "process", None) is not None]
+        return [launcher.process for launcher in launchers
+                if launcher is not None and getattr(launcher, "process", None) is not None]
 
     # -- calls ---------------------------------------------------------------------
     def _require_client(self) -> ipp.Client:

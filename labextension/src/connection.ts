@@ -13,17 +13,29 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 export const COMM_TARGET = 'jupyter_scale';
 
+// What the kernel sends (jupyter_scale/sidebar.py declares the same shapes as TypedDicts;
+// tests/test_sidebar.py checks that the two agree, key by key).
 export interface IRank {
   rank: number;
   state: string; // idle, starting, running, in collective, finished, failed, stopped, dead
-  pid?: number;
-  host?: string;
-  device?: string;
+  pid: number | null;
+  host: string | null;
+  device: string;
   memory?: string;
   last_step?: number;
   steps_per_s?: number;
+  epoch?: number;
   collective?: string;
   waiting_s?: number;
+}
+
+export interface IProgress {
+  step: number;
+  rate: number;
+  elapsed: number;
+  total?: number;
+  eta?: number;
+  epoch?: number;
 }
 
 export interface IJob {
@@ -34,19 +46,23 @@ export interface IJob {
   metric: string;
   series: { [name: string]: number[][] };
   colors: string[]; // the ranks' curves in turn
-  progress: { step: number; total?: number; rate?: number; eta?: number; elapsed?: number; epoch?: number };
+  progress: IProgress;
   fraction: number | null;
 }
 
+export interface ICluster {
+  running: boolean;
+  engine: string;
+  workers: number;
+  connected: boolean;
+  addresses: { [key: string]: string };
+  group: { [key: string]: unknown }; // the process group: backend, master_addr, master_port, ready
+}
+
 export interface IScaleState {
+  type: string;
   version: string;
-  cluster: {
-    running: boolean;
-    engine: string;
-    workers: number;
-    connected: boolean;
-    addresses: { [key: string]: string };
-  };
+  cluster: ICluster;
   ranks: IRank[];
   job: IJob | null;
 }
