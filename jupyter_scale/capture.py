@@ -30,7 +30,7 @@ class OutputPump:
 
     def __init__(self, send: Callable[[dict], Any], job: str, rank: int):
         self._send, self._job, self._rank = send, job, rank
-        self._parts: list[list[str]] = []
+        self._parts: list[list[Any]] = []  # [stream, text] or ["display", data, metadata]
         self._lock = threading.RLock()  # send() holds it while add() may be called from a print in Dask code
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-output", daemon=True)

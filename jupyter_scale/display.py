@@ -119,10 +119,8 @@ class RunView:
         # Keep a static picture next to the live view: it is what a reopened notebook shows.
         from .widgets import snapshot_html
 
-        bundle = self.widget._repr_mimebundle_() or {}
-        if isinstance(bundle, tuple):  # (data, metadata)
-            bundle = bundle[0]
-        bundle = dict(bundle)
+        shown = self.widget._repr_mimebundle_() or {}
+        bundle = dict(shown[0] if isinstance(shown, tuple) else shown)  # (data, metadata) or data
         bundle["text/html"] = snapshot_html(self.feed)
         self.handle.update(bundle, raw=True)
 

@@ -14,6 +14,7 @@ A user interrupt ends the cell with KeyboardInterrupt, as any interrupted cell d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -148,7 +149,7 @@ class CellTimeout(RemoteError, TimeoutError):
     collective (their traceback shows where), which the ranks waiting in a collective were
     waiting for."""
 
-    def __init__(self, failures: list[RankFailure], *, timeout: float, finished: list[int] = ()):
+    def __init__(self, failures: list[RankFailure], *, timeout: float, finished: Iterable[int] = ()):
         self.timeout = timeout
         self.finished = sorted(finished)  # ranks that had completed the cell
         for f in failures:  # stopped by the deadline: each is part of the story, none "interrupted"

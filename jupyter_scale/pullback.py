@@ -35,6 +35,7 @@ class Puller:
         per value; what cannot apply is said in one line and the rest goes on."""
         at = 0
         held = None
+        values: dict
         kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
         if kept:
             print(f"jupyter_scale: {listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "

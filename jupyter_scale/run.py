@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -98,7 +98,7 @@ class CellRun:
         self.interrupts = interrupts or Interrupts()
         self.labeler = display.LineLabeler()
         self.headers: dict[int, dict] = {}  # each answered rank's header
-        self.frames_back: dict[int, tuple] = {}  # and the frames that came with it
+        self.frames_back: dict[int, Sequence] = {}  # and the frames that came with it
         self.failures: list[RankFailure] = []
         self.lost: list[int] = []  # ranks whose worker is gone
         self.started = time.monotonic()
@@ -116,7 +116,7 @@ class CellRun:
     def running(self) -> list[int]:
         return [r for r in self.job.ranks if r not in self.headers and r not in self.lost]
 
-    def wait(self) -> tuple[dict[int, dict], dict[int, tuple], RemoteError | None, list[int]]:
+    def wait(self) -> tuple[dict[int, dict], dict[int, Sequence], RemoteError | None, list[int]]:
         """Stream output until every rank answered; stop the others after a failure.
 
         Returns each rank's header and frames, the cell's error (None if every rank

@@ -20,8 +20,9 @@ import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import display, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
+from . import launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
+from .display import RunView
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
 from .run import CellRun, RunRecord, interrupts_noted
 
@@ -191,7 +192,7 @@ class ScaleSession(LoggingConfigurable):
             self._form_group()
             if backend.owns_cluster:
                 self._tie_workers_to_kernel(backend)
-                if self.placement is not None and self.placement.name == "slurm":
+                if isinstance(self.placement, launchers.SlurmLauncher):
                     nodes = sorted({w["hostname"] for w in self.workers})
                     print(f"jupyter_scale: {self.placement.jobs_text()} on {', '.join(nodes)}; %scale stop cancels "
                           "it", flush=True)
@@ -535,7 +536,7 @@ class ScaleSession(LoggingConfigurable):
             # calls torch.manual_seed gets the same worker runs every time.
             "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
         }
-        view = display.RunView(self, record, steps)
+        view = RunView(self, record, steps)
         self._notify("run_started", record, steps)
         with interrupts_noted() as interrupts:
             frames, request["shared_frames"] = self._pack_frames(shipment)
@@ -668,7 +669,7 @@ class ScaleSession(LoggingConfigurable):
         finally:
             job.release()
 
-    def _finish_run(self, view: display.RunView, record: RunRecord) -> None:
+    def _finish_run(self, view: RunView, record: RunRecord) -> None:
         """Show the run's end in the cell and tell the observers (the sidebar)."""
         view.finish(record)
         self._notify("run_finished", record)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, TypedDict
+from collections.abc import Mapping
+from typing import Any, TypedDict, cast
 
 from ._version import __version__
 from .errors import DistributeError
@@ -168,7 +169,7 @@ class SidebarChannel:
         else:
             raise ValueError(f"unknown action {action!r}")
 
-    def broadcast(self, message: dict) -> None:
+    def broadcast(self, message: Mapping[str, Any]) -> None:
         for comm_id, comm in list(self.comms.items()):
             try:
                 comm.send(message)
@@ -257,7 +258,7 @@ class SidebarChannel:
         record, feed = self.record, self.feed
         if record is None or feed is None:
             return None
-        progress = feed.progress()
+        progress = cast(ProgressState, feed.progress())
         total = progress.get("total")
         return {
             "index": record.index,

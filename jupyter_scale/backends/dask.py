@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import dask
 import psutil
@@ -106,8 +106,8 @@ class _Payload:
     def __init__(self, frames: list):
         self.frames = frames
 
-    def __reduce_ex__(self, protocol: int):
-        if protocol >= 5:  # a PickleBuffer travels as a separate frame, uncopied
+    def __reduce_ex__(self, protocol: SupportsIndex):
+        if int(protocol) >= 5:  # a PickleBuffer travels as a separate frame, uncopied
             frames = [pickle.PickleBuffer(f) if isinstance(f, memoryview) else f for f in self.frames]
         else:  # a memoryview cannot be pickled at all
             frames = [bytes(f) if isinstance(f, (memoryview, pickle.PickleBuffer)) else f for f in self.frames]
@@ -288,7 +288,7 @@ class DaskBackend(Backend):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self._cluster: LocalCluster | None = None
+        self._cluster: Any = None  # a LocalCluster, or dask-jobqueue's SLURMCluster
         self.client: Client | None = None
         self._addresses: list[str] = []
         self._pids: list[int] = []

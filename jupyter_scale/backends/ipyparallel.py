@@ -163,7 +163,7 @@ def _mpi_engines(launcher: MPILauncher, n: int) -> type:
 
 
 def _engine_launchers(cluster: ipp.Cluster | None) -> dict:
-    found = {}
+    found: dict = {}
     for engine_set in (cluster.engines.values() if cluster is not None else ()):
         found.update(getattr(engine_set, "started_launchers", None) or getattr(engine_set, "launchers", {}))
     return found
