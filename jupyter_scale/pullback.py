@@ -8,7 +8,7 @@ comes. The notebook then holds what the workers hold, and shipping knows it (`ma
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from . import shipping, worker
 from .backends import Backend, Job
 
 if TYPE_CHECKING:
+    from .protocol import CellReply
     from .run import RunRecord
 
 
@@ -30,7 +31,7 @@ class Puller:
     timeout: float  # for each chunk's answer
     abandon: Callable[[Job], None]  # stops a chunk's job that failed; the group is then formed anew
 
-    def apply(self, header: dict, frames: tuple, record: RunRecord) -> None:
+    def apply(self, header: CellReply, frames: Sequence, record: RunRecord) -> None:
         """Rank 0's answer to the cell's pulls: each value into the notebook, all or nothing
         per value; what cannot apply is said in one line and the rest goes on."""
         at = 0

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from . import display, worker
 from .backends import Job, describe_exit
 from .errors import CellTimeout, ClusterError, RankFailure, RemoteError, WorkerCallFailed, WorkerDied, WorkerLost
+from .protocol import CellReply
 
 if TYPE_CHECKING:
     from .session import ScaleSession
@@ -97,7 +98,7 @@ class CellRun:
         self.backend = session.backend
         self.interrupts = interrupts or Interrupts()
         self.labeler = display.LineLabeler()
-        self.headers: dict[int, dict] = {}  # each answered rank's header
+        self.headers: dict[int, CellReply] = {}  # each answered rank's header
         self.frames_back: dict[int, Sequence] = {}  # and the frames that came with it
         self.failures: list[RankFailure] = []
         self.lost: list[int] = []  # ranks whose worker is gone
@@ -116,7 +117,7 @@ class CellRun:
     def running(self) -> list[int]:
         return [r for r in self.job.ranks if r not in self.headers and r not in self.lost]
 
-    def wait(self) -> tuple[dict[int, dict], dict[int, Sequence], RemoteError | None, list[int]]:
+    def wait(self) -> tuple[dict[int, CellReply], dict[int, Sequence], RemoteError | None, list[int]]:
         """Stream output until every rank answered; stop the others after a failure.
 
         Returns each rank's header and frames, the cell's error (None if every rank

@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from . import launchers, metrics, pullback, rendezvous, sharedmem, shipping, wor
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
 from .display import RunView
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
+from .protocol import CellReply, CellRequest, Layout
 from .run import CellRun, RunRecord, interrupts_noted
 
 log = logging.getLogger(__name__)
@@ -435,9 +436,9 @@ class ScaleSession(LoggingConfigurable):
             store = {"addr": master_addr, "port": port, "prefix": f"jupyter_scale/{secrets.token_hex(16)}/"}
         per_node = Counter(w["node"] for w in self.workers)
         seen: Counter = Counter()
-        layouts = []
+        layouts: list[Layout] = []
         for rank, w in enumerate(self.workers):
-            layouts.append(dict(
+            layouts.append(Layout(
                 rank=rank, world_size=n, local_rank=seen[w["node"]], local_world_size=per_node[w["node"]],
                 group_rank=node_rank[w["node"]], master_addr=master_addr, master_port=port, store=store,
                 backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
@@ -512,7 +513,7 @@ class ScaleSession(LoggingConfigurable):
         modules = [n for n in names if isinstance(self.namespace[n], torch.nn.Module)]
         events = self._event_stream()
         run_id = events.begin(record.workers)  # from here on, late points of earlier runs are dropped
-        request = {
+        request: CellRequest = {
             "names": shipment.names,
             "updates": shipment.updates,
             "forget": shipment.forget,
@@ -558,7 +559,8 @@ class ScaleSession(LoggingConfigurable):
                 job.release()
                 self._done_with_frames(answered)
             # Pull-back and buffer sync are not cut half-way by an interrupt either.
-            with sharedmem.unpacked(frames_back.get(0, ()), headers.get(0, {}).get("shared_frames")) as frames_back[0]:
+            rank0 = headers[0].get("shared_frames") if 0 in headers else None
+            with sharedmem.unpacked(frames_back.get(0, ()), rank0) as frames_back[0]:
                 self._end_run(cell, headers, frames_back, error, lost, shipment, plan, manual)
         if interrupts.count > interrupts.handled:
             raise KeyboardInterrupt("interrupted as the cell ended: it had finished on every rank, "
@@ -612,8 +614,8 @@ class ScaleSession(LoggingConfigurable):
                 log.warning("shared memory failed (%s); sending through %s", exc, self.backend_name)
         return shipment.frames, None
 
-    def _end_run(self, cell: CellRun, headers: dict, frames_back: dict, error: RemoteError | None, lost: list,
-                 shipment: shipping.Shipment, plan: shipping.Plan, manual: bool) -> None:
+    def _end_run(self, cell: CellRun, headers: dict[int, CellReply], frames_back: dict, error: RemoteError | None,
+                 lost: list, shipment: shipping.Shipment, plan: shipping.Plan, manual: bool) -> None:
         record, view = cell.record, cell.view
         record.elapsed = time.time() - record.started
         record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
@@ -647,9 +649,10 @@ class ScaleSession(LoggingConfigurable):
             self._sync_buffers(headers)
         record.status = "finished"
         self._finish_run(view, record)
-        self._apply_pulls(headers.get(0, {}), frames_back.get(0, ()), record)
+        if 0 in headers:
+            self._apply_pulls(headers[0], frames_back.get(0, ()), record)
 
-    def _sync_buffers(self, headers: dict[int, dict]) -> None:
+    def _sync_buffers(self, headers: dict[int, CellReply]) -> None:
         """Automatic mode ends a cell with rank 0's module buffers on every rank (as DDP's
         broadcast_buffers), for the names every rank holds alike. Compared here, from the
         ranks' answers, so that a cell without buffers costs no collective."""
@@ -711,7 +714,7 @@ class ScaleSession(LoggingConfigurable):
         except Exception:  # the store is gone with rank 0; its peers fail on their own
             log.debug("abort request through the store failed", exc_info=True)
 
-    def _apply_pulls(self, header: dict, frames: tuple, record: RunRecord) -> None:
+    def _apply_pulls(self, header: CellReply, frames: Sequence, record: RunRecord) -> None:
         pullback.Puller(self.namespace, self.shipper, self.backend, self.pull_chunk_bytes, self.start_timeout,
                         self._abandon_pull).apply(header, frames, record)
 

@@ -26,6 +26,7 @@ import torch
 
 from . import launchers, rendezvous, sharedmem, shipping, training
 from .metrics import EventSink, Recorder
+from .protocol import CellRequest, Described, Layout
 
 # Names every cell sees; they are set again before each cell so they stay truthful.
 INJECTED_NAMES = ("rank", "world_size", "local_rank", "device", "report")
@@ -140,7 +141,7 @@ def _cell_may_be_interrupted(yes: bool) -> None:
 
 
 def describe(shared_memory_probe: tuple | None = None, toward: str | None = None,
-             store_dir: str | None = None) -> dict:
+             store_dir: str | None = None) -> Described:
     """Facts the kernel needs to lay out ranks: host, pid, GPUs, and whether this worker
     reads the kernel's shared memory (`sharedmem.probe`); if it does, a probe of this
     worker's own for the kernel to check (large frames then go both ways through it).
@@ -249,7 +250,7 @@ def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout:
     return port
 
 
-def join_group(layout: dict) -> dict:
+def join_group(layout: Layout) -> dict:
     """Set this worker's rank, env and device, and join the process group."""
     _stop_watch()
     rendezvous.abort_group(_state.group_sockets)
@@ -449,7 +450,7 @@ def _register_source(filename: str, code: str) -> None:
     linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
 
 
-def run_cell(request: dict, *frames: Any) -> tuple:
+def run_cell(request: CellRequest, *frames: Any) -> tuple:
     """Receive the shipped names, run the cell body, answer with status and pulls.
 
     Every exception, KeyboardInterrupt included, is caught and returned: the process

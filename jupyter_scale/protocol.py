@@ -1,0 +1,101 @@
+"""What the kernel and the workers say to each other, typed once for both sides.
+
+On the wire these are plain dicts (pickled by whichever engine carries them), so a worker
+and a kernel of slightly different versions still read each other's keys; the kernel
+builds them as these types and the worker reads them as such.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class Described(TypedDict):
+    """`worker.describe`: where a worker is, for laying out ranks."""
+
+    shared_memory: tuple | None  # the worker's own probe, when it reads the kernel's shared memory
+    hostname: str
+    node: str  # who shares its loopback (rendezvous.node_identity)
+    interfaces: list[dict]
+    address: str | None  # the one it reaches the controller or scheduler from
+    sees_store_dir: bool  # shares the kernel's file system (a one-host FileStore)
+    pid: int
+    launcher_rank: tuple[int, int] | None  # (rank, size) from mpiexec or srun
+    cuda_count: int
+    python: str
+    torch: str
+
+
+class Layout(TypedDict):
+    """`worker.join_group`'s argument: one rank's place in the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int  # the host's index, as torchrun's GROUP_RANK
+    master_addr: str
+    master_port: int
+    store: dict  # {"file": path} or {"addr", "port", "prefix"} (see rendezvous)
+    backend: str  # gloo or nccl
+    cuda_count: int
+    timeout: float
+
+
+class _CellRequired(TypedDict):
+    names: list[tuple[str, int]]  # shipping's (name, token) of each value the cell reads
+    updates: list[tuple[int, tuple]]  # shipping's (token, meta) of each value sent, a frame each
+    forget: list[int]  # tokens the worker may drop
+    code: str
+    filename: str  # <distribute-cell-N>, in tracebacks
+    run: str  # the run's id: events and interrupts of other runs are dropped
+
+
+class CellRequest(_CellRequired, total=False):
+    """`worker.run_cell`'s request: the cell, what comes with it, and how to report."""
+
+    modules: list[str]  # the notebook's models the cell uses
+    pull: list[str]
+    keep_sharded: bool
+    auto: bool  # automatic mode
+    shard: dict | None  # shard_model's options under --shard, else None
+    events: str  # where the rank's events go (a transport address)
+    events_key: str  # signs them
+    heartbeat: float  # seconds between heartbeats
+    resync: bool  # the last cell failed: equalize the models first
+    pull_through: int | None  # rank 0 sends the pull-back through shared memory, keeping this much
+    seed: int
+    shared_frames: dict | None  # where the big frames are in the kernel's shared memory
+
+
+class Failure(TypedDict):
+    """A rank's error: the fields of errors.RankFailure."""
+
+    rank: int
+    etype: str
+    message: str
+    traceback: str
+    time: float
+    interrupted: bool
+    collective: str | None  # the collective it was in
+
+
+class _ReplyRequired(TypedDict):
+    status: str  # "ok" or "error"
+    rank: int
+    group_ready: bool
+    received: bool  # it holds the cell's values
+    elapsed: float
+    rebound: list[str]  # names the cell bound on the worker
+
+
+class CellReply(_ReplyRequired, total=False):
+    """The first item of `worker.run_cell`'s answer (frames follow it)."""
+
+    failure: Failure  # with status "error"
+    buffers: dict | None  # module buffer signatures (automatic mode)
+    events_sent: int
+    events_dropped: int
+    pulled: list  # rank 0: (names, kind, frame count or plan) per pulled value
+    pull_errors: dict[str, str]
+    shared_frames: dict | None  # rank 0's pull-back in its shared memory
