@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 
@@ -297,30 +301,37 @@ def _socket_fds() -> dict[int, int]:
 
 
 def _tcp_endpoints(inodes: set[int]) -> dict[int, tuple]:
-    """For those of `inodes` that are TCP sockets of this process: (local, remote) endpoints
-    as (address, port), remote None for a listening socket."""
+    """For those of `inodes` that are TCP sockets: (local, remote) endpoints as (address,
+    port), remote None for a listening socket. Read from the kernel's tables, not from the
+    sockets: a socket object made on another thread's descriptor can change its flags."""
     endpoints = {}
-    for inode, fd in _socket_fds().items():
-        if inode not in inodes:
-            continue
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            sock = socket.socket(fileno=os.dup(fd))  # a dup: closing it leaves the owner's fd alone
-        except OSError:  # closed meanwhile, or not a socket Python knows
+            with open(f"/proc/self/net/{table}") as rows:
+                lines = rows.read().splitlines()[1:]
+        except OSError:  # not Linux, or no IPv6
             continue
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or int(fields[9]) not in inodes:
                 continue
-            local = tuple(sock.getsockname()[:2])
-            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-            endpoints[inode] = (local, None if listening else tuple(sock.getpeername()[:2]))
-        except OSError:  # not connected (yet, or any more)
-            continue
-        finally:
-            sock.close()
+            local, remote = _endpoint(fields[1], family), _endpoint(fields[2], family)
+            endpoints[int(fields[9])] = (local, None if fields[3] == "0A" else remote)  # 0A: LISTEN
     return endpoints
 
 
+def _endpoint(hex_address: str, family: int) -> tuple[str, int]:
+    """'0100007F:1F90' (as /proc/net/tcp writes it) -> ('127.0.0.1', 8080)."""
+    address, port = hex_address.split(":")
+    raw = bytes.fromhex(address)
+    if sys.byteorder == "little":  # each 32-bit word is printed as a number in host order
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    text = socket.inet_ntop(family, raw)
+    return (text.removeprefix("::ffff:") if "." in text else text), int(port, 16)
+
+
 LISTENERS_KEY = "jupyter_scale/listeners/"
+LISTENERS_WAIT_S = 30.0
 
 
 def _groups_own(opened: set[int], store: dist.Store, rank: int, world_size: int) -> set[int]:
@@ -333,11 +344,18 @@ def _groups_own(opened: set[int], store: dist.Store, rank: int, world_size: int)
     """
     endpoints = _tcp_endpoints(opened)  # none off Linux: nothing is cut there
     mine = sorted(local for local, remote in endpoints.values() if remote is None)
-    store.set(f"{LISTENERS_KEY}{rank}", json.dumps(mine))
     listeners = {tuple(local) for local in mine}
-    for other in range(world_size):
-        if other != rank:
-            listeners.update(tuple(e) for e in json.loads(store.get(f"{LISTENERS_KEY}{other}")))
+    try:
+        store.set(f"{LISTENERS_KEY}{rank}", json.dumps(mine))
+        keys = [f"{LISTENERS_KEY}{other}" for other in range(world_size) if other != rank]
+        # Every rank has joined (gloo connected them all): their answers are due at once.
+        store.wait(keys, datetime.timedelta(seconds=LISTENERS_WAIT_S))
+        for key in keys:
+            listeners.update(tuple(e) for e in json.loads(store.get(key)))
+    except Exception:  # a peer that died since: cut what was opened meanwhile, as before
+        log.warning("could not learn the group's listeners; an abort cuts every connection opened while "
+                    "joining", exc_info=True)
+        return opened
     any_address = {port for address, port in listeners if address in ("0.0.0.0", "::")}
     return {inode for inode, (local, remote) in endpoints.items()
             if remote is None or local in listeners or remote in listeners

@@ -114,6 +114,11 @@ class CellRun:
         self.warned_at = time.monotonic()
         self.allocation_checked = time.monotonic()
 
+    def forget_answers(self) -> None:
+        """Once the wait is over: drop the job and the ranks' answers (a pulled model can be
+        gigabytes); the heartbeats stay, for whoever shows where the ranks were."""
+        self.job, self.headers, self.frames_back = None, {}, {}
+
     def running(self) -> list[int]:
         return [r for r in self.job.ranks if r not in self.headers and r not in self.lost]
 

@@ -557,6 +557,7 @@ class ScaleSession(LoggingConfigurable):
                 raise
             finally:
                 job.release()
+                cell.forget_answers()  # the session keeps the run's heartbeats, not what it sent back
                 self._done_with_frames(answered)
             # Pull-back and buffer sync are not cut half-way by an interrupt either.
             rank0 = headers[0].get("shared_frames") if 0 in headers else None

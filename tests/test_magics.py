@@ -43,6 +43,8 @@ assert len(jupyter_scale.history()) == 4
         ("%scale connect", "connect to what?"),
         ("%scale start tcp://127.0.0.1:8786", "goes with connect, not start"),
         ("%scale connect tcp://127.0.0.1:8786 --profile p", "not both"),
+        ("%scale connect ipcontroller-client.json --profile p", "not both"),
+        ("%scale connect tcp://127.0.0.1:8786 --backend dask --profile p", "find an ipyparallel cluster, not a Dask"),
         ("%scale connect tcp://127.0.0.1:8786 --backend ipyparallel", "does not name an ipyparallel cluster"),
         ("%scale connect ray://127.0.0.1:10001", "no installed engine connects to ray://127.0.0.1:10001"),
         ("%scale connect --profile p --tls-cert c.pem --tls-ca-file ca.pem", "TLS files go with a Dask scheduler"),

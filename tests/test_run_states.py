@@ -6,10 +6,12 @@ seconds, and for timings a real cluster cannot be made to produce on demand. The
 cases on real ipyparallel and Dask clusters are in test_failures and test_distribute.
 """
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -186,3 +188,21 @@ def test_a_worker_that_died_between_cells_is_replaced_first(fake, capsys):
     session.run("pass")
     assert "the worker of rank(s) [1] is gone; restarting the cluster with 2 workers" in capsys.readouterr().out
     assert engine.starts == 2
+
+
+def test_what_a_cell_sent_back_is_not_kept_after_it(fake):
+    # The session keeps the last run's heartbeats (the sidebar shows them), not its answers:
+    # a pulled model can be gigabytes.
+    session, engine = fake
+
+    class Frame(bytearray):
+        pass
+
+    sent = Frame(1 << 20)
+    engine.scripts = {0: lambda r, frame=sent: (frame,)}
+    session.run("pass", workers=2)
+    gone = weakref.ref(sent)
+    del sent
+    engine.scripts = {}
+    gc.collect()
+    assert gone() is None

@@ -71,7 +71,7 @@ def find_connection(address: str | None, backend: str | None = None, **options: 
         for name in available_backends():
             try:
                 classes[name] = backend_class(name)
-            except ClusterError:
+            except Exception:  # a broken engine must not stop connecting to the others
                 continue
     for name in sorted(classes, key=lambda n: (classes[n].fallback, n)):
         where = classes[name].parse_address(address, options)

@@ -274,15 +274,20 @@ class DaskBackend(Backend):
     name = "dask"
     hub = "scheduler"
     fallback = True
-    connect_help = "a Dask scheduler's address (tcp://HOST:PORT, tls://HOST:PORT)"
+    connect_help = "a Dask scheduler's address (tcp://HOST:PORT, tls://HOST:PORT, ws:// ...)"
 
     @classmethod
     def parse_address(cls, address: str | None, options: dict) -> dict | None:
         if not address:
             return None
+        from distributed.comm.registry import backends as transports
+
         scheme = address.split("://", 1)[0] if "://" in address else "tcp"
-        if scheme not in ("tcp", "tls"):  # another engine's (ray://)
+        if scheme not in transports:  # another engine's (ray://)
             return None
+        if options.get("profile") or options.get("cluster_id") or options.get("url_file"):
+            raise ValueError("--profile, --cluster-id and connection files find an ipyparallel cluster, not a "
+                             "Dask scheduler")
         return {"address": address if "://" in address else f"tcp://{address}",
                 **({"tls": options["tls"]} if options.get("tls") else {})}
 

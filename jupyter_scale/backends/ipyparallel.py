@@ -348,7 +348,8 @@ def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> 
     engine's connections to the schedulers may still be completing (CurveZMQ handshakes,
     slow on a loaded machine); a scheduler drops a message for an engine it has no
     connection to yet, in silence, and a cell's call lost that way never answers. A
-    probe lost that way is sent again.
+    probe lost that way is sent again. Only for engines this backend started: those of a
+    cluster it connects to registered long ago, and may be busy with others' work.
     """
     deadline = time.monotonic() + timeout
     pending = [(eid, route) for eid in engine_ids for route in ("own", "broadcast")]
@@ -385,7 +386,7 @@ class IPyParallelBackend(Backend):
                                         url_file=url_file).items() if v}
         if not where:
             return None
-        if address and address != url_file:
+        if address and (address != url_file or options.get("profile") or options.get("cluster_id")):
             raise ValueError(f"give a cluster's address ({address}) or an ipyparallel --profile/--cluster-id, not both")
         if options.get("tls"):
             raise ValueError("TLS files go with a Dask scheduler's tls:// address; an ipyparallel controller's "
@@ -403,6 +404,7 @@ class IPyParallelBackend(Backend):
     def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self._client is not None:
             raise ClusterError("the ipyparallel cluster is already running")
+        deadline = time.monotonic() + timeout
         launcher = launcher or Launcher()
         address = launcher.listen_address()
         options = dict(
@@ -456,7 +458,7 @@ class IPyParallelBackend(Backend):
                     return False
 
             launcher.wait_for_workers(ready, n, timeout)
-            _await_routes(client, sorted(client.ids)[:n], timeout)
+            _await_routes(client, sorted(client.ids)[:n], max(deadline - time.monotonic(), 2 * PROBE_AGAIN_S))
             _keep_private(cluster)
         except BaseException as exc:  # not engine_errors: the engines' own output says more than ours
             detail = _startup_failure(cluster) or str(exc)
@@ -497,7 +499,6 @@ class IPyParallelBackend(Backend):
                            cleanup=client.close, detail=str):
             if n:
                 client.wait_for_engines(n, timeout=timeout, interactive=False)
-            _await_routes(client, sorted(client.ids)[:n] if n else sorted(client.ids), timeout)
         if not client.ids:
             client.close()
             raise ClusterError(f"the ipyparallel cluster ({where}) has no engines")

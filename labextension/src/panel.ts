@@ -177,7 +177,9 @@ export class ScalePanel extends Widget {
       const line = document.createElementNS(ns, 'polyline');
       line.setAttribute('data-series', name === 'mean' ? 'mean' : `rank ${name}`);
       line.setAttribute('fill', 'none');
-      line.setAttribute('stroke', name === 'mean' ? 'var(--jp-ui-font-color1)' : job.colors[i % job.colors.length]);
+      const colors = job.colors ?? []; // an older kernel sends none
+      const stroke = colors.length ? colors[i % colors.length] : 'var(--jp-ui-font-color2)';
+      line.setAttribute('stroke', name === 'mean' ? 'var(--jp-ui-font-color1)' : stroke);
       line.setAttribute('stroke-width', '1.5');
       if (name === 'mean') {
         line.setAttribute('stroke-dasharray', '4 3');
