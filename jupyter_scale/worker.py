@@ -216,12 +216,20 @@ def watch_parent(pid: int, create_time: float, reap: list | tuple = ()) -> bool:
     return True
 
 
+# psutil's start time of a process is its start tick plus the boot time, which Linux derives
+# from the wall clock: a clock adjustment moves it by whole seconds, and both workers of a
+# cluster once exited together, taking their kernel for gone. A pid reused within seconds of
+# the first process's start is no concern.
+START_TIME_SLACK_S = 2.0
+
+
 def _alive(pid: int, create_time: float) -> bool:
     import psutil
 
     try:
         process = psutil.Process(pid)
-        return abs(process.create_time() - create_time) < 1e-3 and process.status() != psutil.STATUS_ZOMBIE
+        return (abs(process.create_time() - create_time) < START_TIME_SLACK_S
+                and process.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 

@@ -87,7 +87,8 @@ main()
 # ipyparallel's controller, ending itself (and the schedulers it started) when the kernel that
 # started it is gone, even killed by SIGKILL: engines of a Slurm job on other nodes cannot watch
 # the kernel, but they shut down once the controller's heartbeats stop (max_heartbeat_misses),
-# which ends the job. The kernel is named by pid and start time, so a reused pid is not it.
+# which ends the job. The kernel is named by pid and start time, so a reused pid is not it (to
+# within seconds: see worker.START_TIME_SLACK_S).
 _CONTROLLER_MAIN = """
 import os, threading, time
 import psutil
@@ -95,7 +96,7 @@ import psutil
 def _watch(pid, created):
     while True:
         try:
-            if psutil.Process(pid).create_time() != created:
+            if abs(psutil.Process(pid).create_time() - created) >= 2.0:
                 break
         except psutil.NoSuchProcess:
             break
