@@ -68,7 +68,7 @@ def wait_gone(processes, timeout=15.0):
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-ENGINES = ["ipyparallel", "dask"]
+ENGINES = ["ipyparallel", "dask", "ray"]
 
 
 def _started_kernel(backend=None):

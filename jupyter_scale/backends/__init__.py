@@ -62,6 +62,7 @@ def find_connection(address: str | None, backend: str | None = None, **options: 
     package is missing is skipped (named, when it is the one asked)."""
     options = {k: v for k, v in options.items() if v}
     if backend is not None:
+        options["named"] = True  # the engine was named: it may take a bare host:port
         try:
             classes = {backend: backend_class(backend)}
         except ClusterError as exc:

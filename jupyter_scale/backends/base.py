@@ -17,13 +17,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import pickle
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 import psutil
 from traitlets import Dict
@@ -236,6 +237,68 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         from ..metrics import EventStream
 
         return EventStream()
+
+
+class Frames:
+    """Values, some of them big buffers, that travel as one object of the engine's.
+
+    Buffers go out of band where the link pickles with protocol 5 (Dask worker to worker and
+    client to worker, Ray's object store); where it pickles with protocol 4 they are copied in.
+    """
+
+    def __init__(self, frames: list):
+        self.frames = frames
+
+    def __reduce_ex__(self, protocol: SupportsIndex):
+        if int(protocol) >= 5:  # a PickleBuffer travels as a separate frame, uncopied
+            frames = [pickle.PickleBuffer(f) if isinstance(f, memoryview) else f for f in self.frames]
+        else:  # a memoryview cannot be pickled at all
+            frames = [bytes(f) if isinstance(f, (memoryview, pickle.PickleBuffer)) else f for f in self.frames]
+        return (Frames, (frames,))
+
+
+def split_frames(args: tuple) -> tuple[tuple, list]:
+    """A call's arguments as (the leading ones, the trailing buffers): the shipped frames,
+    which an engine sends once for every rank rather than with each rank's call."""
+    split = len(args)
+    while split > 0 and isinstance(args[split - 1], (bytes, bytearray, memoryview)):
+        split -= 1
+    return args[:split], list(args[split:])
+
+
+# The start of a `python -c` program for a process of the engine's that the kernel starts
+# (ipyparallel's controller, Ray's head): it ends itself, and every process it started, when
+# the kernel is gone, even killed by SIGKILL. Workers elsewhere cannot watch the kernel, but
+# they lose their controller or head. The kernel is named by pid and start time (see
+# kernel_watch_env), so a reused pid is not it (to within seconds: worker.START_TIME_SLACK_S).
+KERNEL_WATCH = """
+import os, threading, time
+import psutil
+
+def _watch(pid, created):
+    while True:
+        try:
+            if abs(psutil.Process(pid).create_time() - created) >= 2.0:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(1.0)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    os._exit(1)
+
+pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
+threading.Thread(target=_watch, args=(int(pid), float(created)), daemon=True).start()
+"""
+
+
+def kernel_watch_env() -> dict[str, str]:
+    """The environment that names this kernel to KERNEL_WATCH."""
+    kernel = psutil.Process()
+    return {"JUPYTER_SCALE_KERNEL": f"{kernel.pid}:{kernel.create_time()!r}"}
 
 
 def descendants(processes: list) -> list:

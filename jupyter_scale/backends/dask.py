@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import os
-import pickle
 import shlex
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, SupportsIndex
+from typing import Any
 
 import dask
 import psutil
@@ -38,6 +37,7 @@ from .. import capture, metrics, worker
 from ..errors import ClusterError
 from ..launchers import Launcher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
+from .base import Frames, split_frames
 
 log = logging.getLogger(__name__)
 
@@ -96,24 +96,6 @@ def _worker_settings() -> dict:
 # Worker side
 # --------------------------------------------------------------------------------------
 
-class _Payload:
-    """Values (some of them big buffers) that travel as one Dask object.
-
-    Buffers go out of band where the link pickles with protocol 5 (worker to worker,
-    client to worker); links through the scheduler use protocol 4, where they are copied in.
-    """
-
-    def __init__(self, frames: list):
-        self.frames = frames
-
-    def __reduce_ex__(self, protocol: SupportsIndex):
-        if int(protocol) >= 5:  # a PickleBuffer travels as a separate frame, uncopied
-            frames = [pickle.PickleBuffer(f) if isinstance(f, memoryview) else f for f in self.frames]
-        else:  # a memoryview cannot be pickled at all
-            frames = [bytes(f) if isinstance(f, (memoryview, pickle.PickleBuffer)) else f for f in self.frames]
-        return (_Payload, (frames,))
-
-
 def _call(fn: Callable, job: str, rank: int, topic: str, args: tuple, payload: Any = None) -> Any:
     """What a Dask task runs: fn(*args, *payload) with its output streamed to the kernel
     as events of the topic the kernel's client subscribed to."""
@@ -121,7 +103,7 @@ def _call(fn: Callable, job: str, rank: int, topic: str, args: tuple, payload: A
         args = (*args, *payload.frames)
     dask_worker = get_worker()  # only a task's thread knows its worker
     result = capture.call_captured(fn, args, lambda message: dask_worker.log_event(topic, message), job, rank)
-    return _Payload(list(result)) if isinstance(result, tuple) else result
+    return Frames(list(result)) if isinstance(result, tuple) else result
 
 
 class _TopicTransport:
@@ -244,7 +226,7 @@ class _DaskJob(Job):
             values = self._backend.client.gather([self._futures[r] for r in ready])
             self._values.update(zip(ready, values))
         value = self._values.pop(rank)
-        return tuple(value.frames) if isinstance(value, _Payload) else value
+        return tuple(value.frames) if isinstance(value, Frames) else value
 
     def release(self) -> None:
         self._backend.forget_job(self.job_id)
@@ -621,11 +603,8 @@ class DaskBackend(Backend):
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         # Leading arguments travel with each task; big trailing buffers (the shipped
         # frames) once, to the first rank's worker, which the others fetch them from.
-        split = len(args)
-        while split > 0 and isinstance(args[split - 1], (bytes, bytearray, memoryview)):
-            split -= 1
-        head, frames = args[:split], list(args[split:])
-        payload, held = (_Payload(frames) if frames else None), []
+        head, frames = split_frames(args)
+        payload, held = (Frames(frames) if frames else None), []
         if frames and sum(memoryview(f).nbytes for f in frames) >= SCATTER_MIN_BYTES:
             payload = client.scatter(payload, workers=[self._addresses[ranks[0]]], hash=False)
             held.append(payload)

@@ -26,6 +26,7 @@ from .. import metrics
 from ..errors import ClusterError
 from ..launchers import Launcher, MPILauncher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
+from .base import KERNEL_WATCH, kernel_watch_env
 
 log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
@@ -85,40 +86,18 @@ main()
 
 
 # ipyparallel's controller, ending itself (and the schedulers it started) when the kernel that
-# started it is gone, even killed by SIGKILL: engines of a Slurm job on other nodes cannot watch
-# the kernel, but they shut down once the controller's heartbeats stop (max_heartbeat_misses),
-# which ends the job. The kernel is named by pid and start time, so a reused pid is not it (to
-# within seconds: see worker.START_TIME_SLACK_S).
-_CONTROLLER_MAIN = """
-import os, threading, time
-import psutil
-
-def _watch(pid, created):
-    while True:
-        try:
-            if abs(psutil.Process(pid).create_time() - created) >= 2.0:
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(1.0)
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    os._exit(1)
-
-pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
-threading.Thread(target=_watch, args=(int(pid), float(created)), daemon=True).start()
+# started it is gone: engines of a Slurm job on other nodes cannot watch the kernel, but they
+# shut down once the controller's heartbeats stop (max_heartbeat_misses), which ends the job.
+_CONTROLLER_MAIN = KERNEL_WATCH + """
 from ipyparallel.controller.app import main
 main()
 """
 
 
-def _controller(kernel: psutil.Process) -> type:
+def _controller() -> type:
     return type("_ControllerLauncher", (LocalControllerLauncher,), {
         "controller_cmd": List([sys.executable, "-c", _CONTROLLER_MAIN]),
-        "environment": Dict({"JUPYTER_SCALE_KERNEL": f"{kernel.pid}:{kernel.create_time()!r}"}),
+        "environment": Dict(kernel_watch_env()),
     })
 
 
@@ -433,7 +412,7 @@ class IPyParallelBackend(Backend):
             cluster_file="",
         )
         if not {"controller", "controller_launcher_class"} & set(self.cluster_options):
-            options["controller_launcher_class"] = _controller(psutil.Process())
+            options["controller_launcher_class"] = _controller()
         if isinstance(launcher, SlurmLauncher):
             launcher.check(tasks=n, worker_per_job=False)
             options["engine_launcher_class"] = _slurm_engines(launcher)
