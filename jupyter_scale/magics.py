@@ -299,8 +299,11 @@ class ScaleMagics(Magics):
             session.start(args.workers, launcher, **options)
         elif args.action == "stop":
             was, connected = session.size, session.connection is not None and session.running
+            ours = connected and session.backend.creates_workers
             session.stop()
-            if connected:
+            if ours:
+                print(f"jupyter_scale: disconnected; the {was} workers made on connect ended, the cluster keeps running")
+            elif connected:
                 print(f"jupyter_scale: disconnected; the cluster's {was} workers keep running")
             else:
                 print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")

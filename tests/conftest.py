@@ -69,6 +69,9 @@ def wait_gone(processes, timeout=15.0):
 
 
 ENGINES = ["ipyparallel", "dask", "ray"]
+# The engines whose clusters the tests start across hosts and on Slurm (a Ray cluster there is
+# started with Ray's own tools, then connected to).
+CLUSTER_ENGINES = ["ipyparallel", "dask"]
 
 
 def _started_kernel(backend=None):

@@ -100,3 +100,26 @@ def test_an_engines_settings_in_the_sessions_config_reach_the_cluster_it_starts(
         assert [w["nthreads"] for w in workers] == [2, 2]
     finally:
         session.stop()
+
+
+def test_rays_settings_reach_the_head_and_the_actors():
+    import ray
+    from traitlets.config import Config
+
+    from jupyter_scale.session import ScaleSession
+
+    config = Config()
+    config.RayBackend.cluster_options = {"num_cpus": 3}  # a flag of `ray start`
+    config.RayBackend.cpus_per_worker = 1.5
+    session = ScaleSession(namespace={}, config=config)
+    session.backend_name = "ray"
+    try:
+        session.start(2)
+        assert ray.cluster_resources()["CPU"] == 3
+        assert ray.available_resources().get("CPU", 0) == 0  # two ranks of 1.5 each hold them all
+        # Ray gives an actor as many threads as CPUs, rounded down: torch uses 1 here.
+        threads = session.backend.submit(os.environ.get, "OMP_NUM_THREADS").wait(60)
+        assert threads == ["1", "1"]
+    finally:
+        session.stop()
+    assert not ray.is_initialized()

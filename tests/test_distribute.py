@@ -308,7 +308,8 @@ def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
             if conn.status == psutil.CONN_LISTEN:
                 listening.append((process.pid, conn.laddr.ip, conn.laddr.port))
     assert len(listening) >= 4  # controller or scheduler, engines or workers, TCPStore, gloo
-    assert {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
+    # Ray's servers listen on IPv6 sockets that take IPv4 too: ::ffff:127.0.0.1 is loopback.
+    assert {ip.removeprefix("::ffff:") for _, ip, _ in listening} == {"127.0.0.1"}, listening
 
 def test_the_clusters_files_are_readable_by_the_owner_only(kernel):
     import os
@@ -322,6 +323,10 @@ def test_the_clusters_files_are_readable_by_the_owner_only(kernel):
         files = [os.path.join(below, d, f) for d in ("security", "log")
                  for f in os.listdir(os.path.join(below, d)) if info["cluster_id"] in f]
         assert len(files) >= 5, files
+    elif kernel.backend == "ray":  # Ray's temporary directory: sockets, logs, the token
+        below = os.path.dirname(info["temp_dir"])
+        files = [os.path.join(d, f) for d, dirs, names in os.walk(info["temp_dir"]) for f in dirs + names]
+        assert any(f.endswith(".out") for f in files) and any("sockets" in f for f in files), files
     else:  # Everything the scheduler and workers keep: scratch directories, lock files
         below = tempfile.gettempdir()
         workdir = next(iter(kernel.value(
@@ -346,6 +351,12 @@ def _closed_to_others(path, below):
     return False
 
 
+def _how_it_died(kernel, pid, how):
+    """What the error says of a dead worker's process: Ray reaps its actors' processes and says
+    only that they died."""
+    return f"its Ray actor (pid {pid}) died" if kernel.backend == "ray" else f"(its process {pid} {how})"
+
+
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
     kernel.ok("%%distribute\npass")  # the cluster is up
     pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
@@ -358,7 +369,7 @@ dist.all_reduce(t)
 """, timeout=60)
     assert not out.ok
     assert "rank 1 failed: WorkerLost" in out.error_text
-    assert f"(its process {pids[1]} exited with status 1)" in out.error_text  # how it died
+    assert _how_it_died(kernel, pids[1], "exited with status 1") in out.error_text
     assert "rank(s) [1]" in kernel.ok("%scale").stdout
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "is gone; restarting the cluster with 2 workers" in again.stdout
@@ -380,7 +391,7 @@ for step in range(10_000):
 """, timeout=60)
     assert not out.ok
     assert "rank 1 failed: WorkerLost" in out.error_text
-    assert f"(its process {pid} killed by SIGKILL)" in out.error_text
+    assert _how_it_died(kernel, pid, "killed by SIGKILL") in out.error_text
     assert "rank(s) [1]" in kernel.ok("%scale").stdout
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "[rank 1] sum 2.0" in again.stdout

@@ -349,6 +349,11 @@ if rank == 0:  # a process on the cluster without the key sends what it likes
         channel = _IOPubTransport(events_address)
         for m in rogue_messages:
             channel.send(m)
+    elif events_address.startswith("ray-outbox://"):  # Ray: the actor's outbox, which the kernel reads
+        from jupyter_scale.backends.ray import _OutboxTransport
+        channel = _OutboxTransport(events_address)
+        for m in rogue_messages:
+            channel.send(m)
     else:  # Dask: the run's event topic
         from distributed import get_worker
         for m in rogue_messages:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import hosts
-from conftest import ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
+from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
 pytestmark = pytest.mark.skipif(bool(hosts.unavailable_reason()), reason=hosts.unavailable_reason() or "")
@@ -91,7 +91,7 @@ class Multihost:
         assert not hosts.leftovers(self.net.owner), hosts.leftovers(self.net.owner)
 
 
-@pytest.fixture(scope="module", params=ENGINES)
+@pytest.fixture(scope="module", params=CLUSTER_ENGINES)
 def multihost(request):
     setup = Multihost(request.param)
     yield setup

@@ -112,6 +112,60 @@ def test_a_stranger_cannot_use_the_embedded_dask_cluster(engine_kernel, tmp_path
     _cell_still_right(k)
 
 
+@pytest.mark.parametrize("engine_kernel", ["ray"], indirect=True)
+def test_a_stranger_cannot_use_the_embedded_ray_cluster(engine_kernel):
+    """Ray's token: the stranger, with a token of its own, as a driver (GCS), a Ray client
+    (ray://), and raw gRPC to the raylet and to each rank's actor (kill it)."""
+    k = engine_kernel
+    k.ok("%scale start --workers 2")
+    info = k.value("jupyter_scale.get_session().backend.describe()")
+    workers = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    raylet = [p.pid for p in psutil.Process(k.pid).children(recursive=True) if p.name() == "raylet"]
+    actor_ports, raylet_ports = _listening_ports(workers), _listening_ports(raylet)
+    assert len(actor_ports) >= 2 and raylet_ports
+    marker = f"/tmp/jupyter_scale-stranger-{uuid.uuid4().hex}"
+    result = run_as_stranger(f"""
+        import os, secrets
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+                          RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        import grpc, ray
+        from ray.core.generated import core_worker_pb2, core_worker_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+
+        def plant():
+            open({marker!r}, "w").write("ran")
+
+        for address in ({info["head"]!r}, {info["client"]!r}):
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as exc:
+                print("refused", type(exc).__name__)
+                continue
+            print("CONNECTED", address)
+            ray.get(ray.remote(plant).remote(), timeout=30)
+
+        def rpc(port, call):
+            try:
+                call(grpc.insecure_channel(f"127.0.0.1:{{port}}"))
+                print("ANSWERED", port)
+            except grpc.RpcError as exc:
+                print("rpc", exc.code().name)
+
+        for _, port in {actor_ports!r}:
+            rpc(port, lambda ch: core_worker_pb2_grpc.CoreWorkerServiceStub(ch).KillActor(
+                core_worker_pb2.KillActorRequest(force_kill=True), timeout=10))
+        for _, port in {raylet_ports!r}:
+            rpc(port, lambda ch: node_manager_pb2_grpc.NodeManagerServiceStub(ch).GetNodeStats(
+                node_manager_pb2.GetNodeStatsRequest(), timeout=10))
+    """, timeout=300)
+    said = result.stdout + result.stderr
+    assert "CONNECTED" not in result.stdout and "ANSWERED" not in result.stdout, said
+    assert result.stdout.count("refused") == 2, said
+    assert result.stdout.count("rpc UNAUTHENTICATED") == len(actor_ports) + len(raylet_ports), said
+    assert not os.path.exists(marker)
+    assert k.value("[w['pid'] for w in jupyter_scale.get_session().workers]") == workers
+    _cell_still_right(k)
+
+
 PROBE_PORT = """
     import datetime, os, socket
     import torch.distributed as dist
@@ -142,7 +196,7 @@ def test_a_stranger_at_every_listening_port_changes_nothing(engine_kernel):
     # The kernel and everything it started: workers, controller or scheduler, nannies.
     pids = [k.pid, *(p.pid for p in psutil.Process(k.pid).children(recursive=True))]
     ports = _listening_ports(pids)
-    assert ports and all(ip == "127.0.0.1" for ip, _ in ports), ports
+    assert ports and all(ip.removeprefix("::ffff:") == "127.0.0.1" for ip, _ in ports), ports
     store = k.value("jupyter_scale.get_session().group['store']")
     result = run_as_stranger(f"""
         import os

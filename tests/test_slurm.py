@@ -8,7 +8,7 @@ import time
 import pytest
 
 import slurm
-from conftest import ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
+from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
 if (_reason := slurm.unavailable_reason()) is not None:
@@ -45,7 +45,7 @@ def cluster():
         yield s
 
 
-@pytest.fixture(scope="module", params=ENGINES)
+@pytest.fixture(scope="module", params=CLUSTER_ENGINES)
 def kernel(request, cluster):
     k = Kernel(backend=request.param)
     k.engine = request.param

@@ -149,6 +149,9 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
     # True for a cluster this backend started (stop() ends its processes); False for one
     # it connected to (stop() only disconnects: the cluster is someone else's).
     owns_cluster: bool = True
+    # Connecting makes the workers in the cluster (Ray's actors), so stop() ends them; the
+    # cluster lives on. Otherwise the workers are the cluster's and outlive the connection.
+    creates_workers: bool = False
     # Connecting (see parse_address): asked last, for a host:port no other engine claims.
     fallback: bool = False
     connect_help: str = ""  # how a cluster of this engine is named to %scale connect

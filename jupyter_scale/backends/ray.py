@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
+import ipaddress
 import itertools
 import logging
 import os
@@ -33,6 +35,7 @@ from typing import Any
 
 import psutil
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from traitlets import Dict, Float
@@ -93,9 +96,18 @@ metrics.register_transport(OUTBOX_SCHEME, _OutboxTransport)
 class _RankActor:
     """One rank: its calls in order in one thread; interrupts and the outbox beside them."""
 
+    def __init__(self, threads: int):
+        # Torch's threads follow the CPUs the actor reserved (as Ray sets OMP_NUM_THREADS for
+        # whole CPUs), unless the cluster's environment says otherwise.
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        with contextlib.suppress(ValueError):
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
     def call(self, fn: Callable, job: str, rank: int, args: tuple, payload: Frames | None = None) -> Any:
         if payload is not None:
-            args = (*args, *payload.frames)
+            # Frames read from Ray's object store are its shared memory, read-only: each rank
+            # gets its own copy to unpickle into writable arrays, as on the other engines.
+            args = (*args, *map(_writable, payload.frames))
         result = capture.call_captured(fn, args, lambda message: _post("output", message), job, rank)
         return Frames(list(result)) if isinstance(result, tuple) else result
 
@@ -116,6 +128,17 @@ class _RankActor:
             taken = list(_outbox)
             _outbox.clear()
         return taken
+
+
+def _writable(frame: Any) -> Any:
+    """A buffer of Ray's object store (its shared memory, read-only) copied; anything else as it is."""
+    if isinstance(frame, (bytes, bytearray, str)):
+        return frame
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        return frame
+    return bytearray(view) if view.readonly else frame
 
 
 # No restarts: a rank that died lost its namespace, and the session says so and starts anew.
@@ -195,7 +218,9 @@ class _RayJob(Job):
         except ray.exceptions.RayError as exc:  # the call could not run (e.g. unpickling it failed)
             cause = getattr(exc, "cause", None) or exc
             raise WorkerCallFailed(rank, f"{type(cause).__name__}: {cause}") from exc
-        return tuple(value.frames) if isinstance(value, Frames) else value
+        if isinstance(value, Frames):  # out of the object store, read-only: the notebook's to keep and change
+            return tuple(map(_writable, value.frames))
+        return value
 
     def release(self) -> None:
         self._backend.forget_job(self.job_id)
@@ -212,6 +237,7 @@ class RayBackend(Backend):
 
     name = "ray"
     hub = "head"
+    creates_workers = True
     connect_help = "a Ray cluster (ray://HOST:10001, or with --backend ray a GCS address HOST:6379 or auto)"
 
     cpus_per_worker = Float(0.0, config=True, help="CPUs each rank's actor reserves; Ray gives it as many "
@@ -240,6 +266,7 @@ class RayBackend(Backend):
         self._head: subprocess.Popen | None = None
         self._head_tree: list = []
         self._scratch: str | None = None
+        self._client_port = 0
         self._environ: dict[str, str | None] = {}  # the kernel's variables before ours
         self._address = ""
         self._jobs: dict[str, _RayJob] = {}
@@ -279,8 +306,8 @@ class RayBackend(Backend):
 
     def _start_head(self, deadline: float) -> str:
         # Ray's socket paths live under its temp directory and must stay under 108 bytes.
-        base = tempfile.gettempdir() if len(tempfile.gettempdir()) < 40 else "/tmp"
-        self._scratch = tempfile.mkdtemp(prefix="jupyter_scale-ray-", dir=base)  # owner-only
+        base = tempfile.gettempdir() if len(tempfile.gettempdir()) < 20 else "/tmp"
+        self._scratch = tempfile.mkdtemp(prefix="jsray-", dir=base)  # owner-only
         fd = os.open(self._token_file(), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
@@ -289,15 +316,17 @@ class RayBackend(Backend):
                        # As Dask's memory_limit=0: no monitor killing a rank that trains a big model.
                        RAY_memory_monitor_refresh_ms="0", **kernel_watch_env())
         flags = {"num_cpus": os.cpu_count() or 1, **self.cluster_options}
+        self._client_port = rendezvous.free_port(rendezvous.LOOPBACK)
         command = [sys.executable, "-c", _HEAD_MAIN, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                   "--port=0", f"--ray-client-server-port={rendezvous.free_port(rendezvous.LOOPBACK)}",
-                   "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self._scratch}",
+                   "--port=0", f"--ray-client-server-port={self._client_port}",
+                   "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={os.path.join(self._scratch, 'r')}",
                    *(f"--{key.replace('_', '-')}={value}" for key, value in flags.items())]
         log_path = os.path.join(self._scratch, "head.log")
         with open(log_path, "w") as out:
             self._head = subprocess.Popen(command, env=environ, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
-        found = os.path.join(self._scratch, "ray_current_cluster")
+        # Ray opens its own temp directory to everyone (0777): ours around it is owner-only.
+        found = os.path.join(self._scratch, "r", "ray_current_cluster")
         while not (os.path.exists(found) and open(found).read().strip()):
             if self._head.poll() is not None:
                 with open(log_path, errors="replace") as f:
@@ -315,7 +344,12 @@ class RayBackend(Backend):
             raise ClusterError(f"a Ray cluster is found by its address, not {sorted(unknown)}")
         self._refuse_second_ray()
         self.owns_cluster = False
-        with engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop):
+        _set_environ({})  # the token the kernel's environment names now (RAY_AUTH_TOKEN, _PATH)
+        host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+        # A head on loopback is a one-node cluster of this machine's (see _one_node); any
+        # other is reached as Ray reaches it.
+        one_node = _one_node() if not address.startswith("ray://") and _is_loopback(host) else contextlib.nullcontext()
+        with engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop), one_node:
             ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}", log_to_driver=False,
                      logging_level=logging.ERROR, configure_logging=False, runtime_env=self.runtime_env or None)
         self._address = address
@@ -338,14 +372,36 @@ class RayBackend(Backend):
             raise ClusterError(f"the Ray cluster has no room for {n} workers of {bundle} within {timeout:.0f} s "
                                f"(free now: {ray.available_resources()})")
         self._actors = [_Rank.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=i)).remote() for i in range(n)]
-        self._pids = ray.get([actor.pid.remote() for actor in self._actors], timeout=timeout)
+            group, placement_group_bundle_index=i)).remote(max(1, int(cpus))) for i in range(n)]
+        pings = [actor.pid.remote() for actor in self._actors]
+        deadline = time.monotonic() + timeout
+        while len(ray.wait(pings, num_returns=n, timeout=1.0)[0]) < n:
+            said = self._died_starting()
+            if said:
+                raise ClusterError(f"{said}; fix the workers' Python environment and run the cell again")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"Ray did not start {n} actors within {timeout:.0f} s")
+        self._pids = ray.get(pings)
         if self._head is not None:
             self._head_tree = [psutil.Process(self._head.pid), *psutil.Process(self._head.pid).children(recursive=True)]
         self._reading.clear()
         self._reader = threading.Thread(target=self._read_outboxes, args=(list(self._actors),),
                                         name="jupyter_scale-ray-outbox", daemon=True)
         self._reader.start()
+
+    def _died_starting(self) -> str | None:
+        """What a worker process of the embedded cluster that ended before its actor started
+        wrote last (Ray keeps each worker's stderr in a log; it retries such workers forever)."""
+        if not self._scratch:
+            return None
+        logs = os.path.join(self._scratch, "r", "session_latest", "logs")
+        for path in glob.glob(os.path.join(logs, "worker-*.err")):
+            pid = int(path.rsplit("-", 1)[1].split(".")[0])
+            with open(path, errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+            if lines and not _running(pid):
+                return f"a Ray worker process ({pid}) exited while starting: {lines[-1]}"
+        return None
 
     def stop(self) -> None:
         self._reading.set()
@@ -387,7 +443,9 @@ class RayBackend(Backend):
         if not self._actors:
             return {}
         return {"head": self._address, "connected": not self.owns_cluster,
-                "namespace": ray.get_runtime_context().namespace}
+                "namespace": ray.get_runtime_context().namespace,
+                **({"temp_dir": self._scratch, "client": f"ray://127.0.0.1:{self._client_port}"}
+                   if self._scratch else {})}
 
     def local_processes(self) -> list:
         """The ranks' processes, then the head and what it started (the embedded cluster only)."""
@@ -517,10 +575,17 @@ def _set_environ(values: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _running(pid: int) -> bool:
