@@ -249,15 +249,16 @@ class Frames:
     client to worker, Ray's object store); where it pickles with protocol 4 they are copied in.
     """
 
-    def __init__(self, frames: list):
+    def __init__(self, frames: list, in_band: bool = False):
         self.frames = frames
+        self.in_band = in_band  # copied in even at protocol 5 (Ray Client never delivers a PickleBuffer)
 
     def __reduce_ex__(self, protocol: SupportsIndex):
-        if int(protocol) >= 5:  # a PickleBuffer travels as a separate frame, uncopied
+        if int(protocol) >= 5 and not self.in_band:  # a PickleBuffer travels as a separate frame, uncopied
             frames = [pickle.PickleBuffer(f) if isinstance(f, memoryview) else f for f in self.frames]
         else:  # a memoryview cannot be pickled at all
             frames = [bytes(f) if isinstance(f, (memoryview, pickle.PickleBuffer)) else f for f in self.frames]
-        return (Frames, (frames,))
+        return (Frames, (frames, self.in_band))
 
 
 def split_frames(args: tuple) -> tuple[tuple, list]:

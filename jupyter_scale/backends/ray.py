@@ -103,13 +103,13 @@ class _RankActor:
         with contextlib.suppress(ValueError):
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    def call(self, fn: Callable, job: str, rank: int, args: tuple, payload: Frames | None = None) -> Any:
+    def call(self, fn: Callable, job: str, rank: int, args: tuple, payload: Frames | None, in_band: bool) -> Any:
         if payload is not None:
             # Frames read from Ray's object store are its shared memory, read-only: each rank
             # gets its own copy to unpickle into writable arrays, as on the other engines.
             args = (*args, *map(_writable, payload.frames))
         result = capture.call_captured(fn, args, lambda message: _post("output", message), job, rank)
-        return Frames(list(result)) if isinstance(result, tuple) else result
+        return Frames(list(result), in_band) if isinstance(result, tuple) else result
 
     @ray.method(concurrency_group="control")
     def interrupt(self, run: str | None) -> bool:
@@ -200,6 +200,10 @@ class _RayJob(Job):
         self.accept_output(outputs)
 
     def _replied(self, rank: int) -> bool:
+        # The done callback is the fast path; Ray Client's futures may never call it.
+        ref = self._refs[rank]
+        if rank not in self._answered and ref is not None and ray.wait([ref], timeout=0)[0]:
+            self._answered.add(rank)
         return rank in self._answered
 
     def _output_complete(self, rank: int) -> bool:
@@ -267,6 +271,7 @@ class RayBackend(Backend):
         self._head_tree: list = []
         self._scratch: str | None = None
         self._client_port = 0
+        self._client_mode = False  # through Ray Client (ray://): buffers travel in band
         self._environ: dict[str, str | None] = {}  # the kernel's variables before ours
         self._address = ""
         self._jobs: dict[str, _RayJob] = {}
@@ -344,14 +349,26 @@ class RayBackend(Backend):
             raise ClusterError(f"a Ray cluster is found by its address, not {sorted(unknown)}")
         self._refuse_second_ray()
         self.owns_cluster = False
+        self._client_mode = address.startswith("ray://")
         _set_environ({})  # the token the kernel's environment names now (RAY_AUTH_TOKEN, _PATH)
         host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
         # A head on loopback is a one-node cluster of this machine's (see _one_node); any
         # other is reached as Ray reaches it.
         one_node = _one_node() if not address.startswith("ray://") and _is_loopback(host) else contextlib.nullcontext()
         with engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop), one_node:
-            ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}", log_to_driver=False,
-                     logging_level=logging.ERROR, configure_logging=False, runtime_env=self.runtime_env or None)
+            for attempt in (1, 2):
+                try:
+                    ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}", log_to_driver=False,
+                             logging_level=logging.ERROR, configure_logging=False,
+                             runtime_env=self.runtime_env or None)
+                    break
+                except ConnectionAbortedError as exc:
+                    # Ray Client's head starts a server process per client, which now and then
+                    # exits as it starts ("Starting Ray client server failed"): a second client
+                    # gets another.
+                    if attempt == 2 or "client server failed" not in str(exc):
+                        raise
+                    log.info("Ray Client's server did not start; connecting again", exc_info=True)
         self._address = address
         if not n:
             n = max(1, int(ray.cluster_resources().get("CPU", 1) // (self.cpus_per_worker or 1)))
@@ -541,7 +558,8 @@ class RayBackend(Backend):
         actors = self._require_actors()
         job_id = f"{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex[:8]}-{next(self._job_ids)}"
         job = self._jobs[job_id] = _RayJob(self, job_id, {
-            rank: actors[rank].call.remote(fn, job_id, rank, args, payload) for rank, (args, payload) in calls.items()
+            rank: actors[rank].call.remote(fn, job_id, rank, args, payload, self._client_mode)
+            for rank, (args, payload) in calls.items()
         }, held)
         return job
 
@@ -549,7 +567,7 @@ class RayBackend(Backend):
         self._require_actors()
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         head, frames = split_frames(args)
-        payload: Any = Frames(frames) if frames else None
+        payload: Any = Frames(frames, self._client_mode) if frames else None
         held = []
         if frames and sum(memoryview(f).nbytes for f in frames) >= PUT_MIN_BYTES:
             payload = ray.put(payload)  # once, for every rank
