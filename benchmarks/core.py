@@ -1,12 +1,14 @@
 """Core-path numbers of %%distribute, each against a baseline measured in the same run.
 
-    python benchmarks/core.py [--backend ipyparallel|dask] [--workers 2] [--repeat 20]
+    python benchmarks/core.py [--backend ipyparallel|dask|ray] [--workers 2] [--repeat 20]
 
 - cold start: Session.start + the first trivial cell, vs a hand-rolled cluster of the same
   engine started with the same options + one trivial call per worker.
 - warm trivial-cell latency: median Session.run("x = 1") vs a bare call of a no-op on
   every worker of the same cluster (ipyparallel: a broadcast apply, what a hand-rolled
-  `%%px` round trip costs; Dask: one pinned submit per worker, gathered).
+  `%%px` round trip costs; Dask: one pinned submit per worker, gathered; Ray: a bare actor
+  per worker in the session's Ray, called and gathered with ray.get, and for the cold start
+  a local `ray.init` with those actors).
 - shipping: a cell reading a changed 100 MB tensor, vs a bare call carrying the same
   100 MB through the engine's own transport; and the same cell with the tensor unchanged
   (not re-sent) vs the bare no-op call.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
 
@@ -100,7 +103,49 @@ class _DaskBaseline:
         data.release()
 
 
-BASELINES = {"ipyparallel": _IPyParallelBaseline, "dask": _DaskBaseline}
+class _Bare:
+    """A hand-rolled Ray actor: what a user would write to run a function on each worker."""
+
+    def noop(self):
+        return None
+
+    def nbytes(self, buffer):
+        return len(buffer)
+
+
+class _RayBaseline:
+    """Hand-rolled use of Ray: one bare actor per worker, called and gathered with ray.get."""
+
+    @staticmethod
+    def cold_start(n: int) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.ERROR)
+        actors = [ray.remote(_Bare).remote() for _ in range(n)]
+        ray.get([a.noop.remote() for a in actors])
+        elapsed = time.perf_counter() - t0
+        ray.shutdown()
+        return elapsed
+
+    def __init__(self, session: Session):
+        import ray
+
+        self._ray = ray
+        # In the session's own Ray, beside its ranks' actors: CPUs of their own.
+        self._actors = [ray.remote(num_cpus=0)(_Bare).remote() for _ in range(session.size)]
+
+    def noop(self) -> None:
+        self._ray.get([a.noop.remote() for a in self._actors])
+
+    def carry(self, raw) -> None:
+        # As a user would: put once, every actor reads it from the object store.
+        ref = self._ray.put(raw.obj)
+        self._ray.get([a.nbytes.remote(ref) for a in self._actors])
+
+
+BASELINES = {"ipyparallel": _IPyParallelBaseline, "dask": _DaskBaseline, "ray": _RayBaseline}
 
 
 def cold_start_session(n: int, backend: str) -> float:

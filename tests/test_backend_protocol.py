@@ -118,7 +118,7 @@ def test_rays_settings_reach_the_head_and_the_actors():
         assert ray.cluster_resources()["CPU"] == 3
         assert ray.available_resources().get("CPU", 0) == 0  # two ranks of 1.5 each hold them all
         # Ray gives an actor as many threads as CPUs, rounded down: torch uses 1 here.
-        threads = session.backend.submit(os.environ.get, "OMP_NUM_THREADS").wait(60)
+        threads = session.backend.submit(os.getenv, "OMP_NUM_THREADS").wait(60)
         assert threads == ["1", "1"]
     finally:
         session.stop()

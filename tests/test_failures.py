@@ -195,6 +195,9 @@ if b"ipyparallel.engine" in _cmd or b"spawn_main" in _cmd or b"default_worker.py
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_worker_process_that_dies_at_start_fails_the_cell_with_how_it_died(engine, tmp_path):
+    if engine == "ray":
+        pytest.skip("Ray's ray.init waits, without a timeout, for a raylet whose worker processes die as they "
+                    "start (README, How Ray is driven)")
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(DIES_AT_START)

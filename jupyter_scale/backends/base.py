@@ -287,11 +287,19 @@ def _watch(pid, created):
         except psutil.NoSuchProcess:
             break
         time.sleep(1.0)
-    for child in psutil.Process().children(recursive=True):
+    children = psutil.Process().children(recursive=True)
+    for child in children:
         try:
             child.terminate()
         except psutil.Error:
             pass
+    _, alive = psutil.wait_procs(children, timeout=5)  # reaps ours: no zombie outlives us
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
     os._exit(1)
 
 pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
