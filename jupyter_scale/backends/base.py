@@ -282,24 +282,22 @@ import psutil
 def _watch(pid, created):
     while True:
         try:
-            if abs(psutil.Process(pid).create_time() - created) >= 2.0:
+            kernel = psutil.Process(pid)
+            if abs(kernel.create_time() - created) >= 2.0 or kernel.status() == psutil.STATUS_ZOMBIE:
                 break
         except psutil.NoSuchProcess:
             break
         time.sleep(1.0)
+    # SIGKILL, all at once: the kernel is gone, nothing here is worth a graceful exit, and a
+    # process told to stop may stop its siblings' parent first (Ray's `ray start --block`
+    # exits when one of its daemons does, leaving the others orphaned).
     children = psutil.Process().children(recursive=True)
     for child in children:
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=5)  # reaps ours: no zombie outlives us
-    for child in alive:
         try:
             child.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=5)
+    psutil.wait_procs(children, timeout=5)  # reaps ours: no zombie outlives us
     os._exit(1)
 
 pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")

@@ -465,16 +465,15 @@ class RayBackend(Backend):
                    if self._scratch else {})}
 
     def local_processes(self) -> list:
-        """The ranks' processes, then the head and what it started (the embedded cluster only)."""
+        """The ranks' processes (the embedded cluster only). Not the head: it ends itself and
+        Ray's daemons when the kernel dies (KERNEL_WATCH), and a SIGTERM from a rank would
+        make `ray start` exit and leave the daemons behind."""
         if not self.owns_cluster:
             return []
         found = []
         for pid in self._pids:
             with contextlib.suppress(psutil.Error):
                 found.append(psutil.Process(pid))
-        if self._head is not None:
-            with contextlib.suppress(psutil.Error):
-                found.append(psutil.Process(self._head.pid))
         return found
 
     def order_ranks(self, order: list[int]) -> None:
