@@ -335,8 +335,8 @@ class CellRun:
         ended = session.placement.ended() if session.placement is not None else None
         if ended:
             return f" ({ended})"
-        if pid is None or not self.backend.owns_cluster:  # another host's process: unknowable
-            return ""
+        if pid is None or not self.backend.owns_cluster or not self.backend.knows_exit_codes:
+            return ""  # another host's process, or an engine that cannot tell
         deadline = time.monotonic() + wait
         while (code := self.backend.exit_code(pid)) is None and time.monotonic() < deadline:
             time.sleep(0.05)

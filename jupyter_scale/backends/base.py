@@ -206,6 +206,9 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         """Ranks whose worker process is known to be gone."""
         return []
 
+    # Whether exit_code can tell how a worker ended (Ray reaps its workers and cannot).
+    knows_exit_codes: bool = True
+
     def exit_code(self, pid: int) -> int | None:
         """How a worker process this backend started ended: its exit status, or minus the
         signal that killed it; None while it runs or where the engine cannot tell."""
@@ -298,17 +301,21 @@ def _watch(pid, created):
         except psutil.Error:
             pass
     psutil.wait_procs(children, timeout=5)  # reaps ours: no zombie outlives us
+    if scratch:  # the cluster's own files (Ray's: its token, logs and spilled objects)
+        import shutil
+        shutil.rmtree(scratch, ignore_errors=True)
     os._exit(1)
 
 pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
+scratch = os.environ.pop("JUPYTER_SCALE_SCRATCH", "")
 threading.Thread(target=_watch, args=(int(pid), float(created)), daemon=True).start()
 """
 
 
-def kernel_watch_env() -> dict[str, str]:
-    """The environment that names this kernel to KERNEL_WATCH."""
+def kernel_watch_env(scratch: str = "") -> dict[str, str]:
+    """The environment that names this kernel to KERNEL_WATCH (and a directory it removes)."""
     kernel = psutil.Process()
-    return {"JUPYTER_SCALE_KERNEL": f"{kernel.pid}:{kernel.create_time()!r}"}
+    return {"JUPYTER_SCALE_KERNEL": f"{kernel.pid}:{kernel.create_time()!r}", "JUPYTER_SCALE_SCRATCH": scratch}
 
 
 def descendants(processes: list) -> list:

@@ -198,9 +198,11 @@ class _DaskJob(Job):
 
     def on_output(self, message: dict) -> None:  # the client's event loop thread
         rank, outputs, end = capture.outputs_of(message)
+        # Output first: a rank counts as done once its end is seen, and whatever arrives
+        # after the session took the last output would never be shown.
+        self.accept_output(outputs)
         if end:
             self._ended.add(rank)
-        self.accept_output(outputs)
 
     def _replied(self, rank: int) -> bool:
         return self._futures[rank].done()

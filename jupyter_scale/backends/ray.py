@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,18 @@ def _one_node():
         constants.ENABLE_RAY_CLUSTER = before
 
 
+@contextlib.contextmanager
+def _kernel_signals():
+    """ray.init makes SIGTERM raise SystemExit, which IPython catches: the kernel would outlive
+    its manager's SIGTERM. The kernel keeps its own handler."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, before)
+
+
 class _OutboxEventQueue(metrics.EventQueue):
     """The kernel's end of the metrics stream: fed by the backend's outbox reader."""
 
@@ -181,11 +194,16 @@ class _OutboxEventQueue(metrics.EventQueue):
 
 
 class _RayJob(Job):
-    def __init__(self, backend: RayBackend, job_id: str, refs: dict, held: list):
-        super().__init__(list(refs))
-        self._backend, self.job_id, self._refs, self._held = backend, job_id, refs, held
+    def __init__(self, backend: RayBackend, job_id: str, ranks: list[int], held: list):
+        super().__init__(ranks)
+        self._backend, self.job_id, self._held = backend, job_id, held
+        self._refs: dict[int, Any] = dict.fromkeys(ranks)
         self._answered: set[int] = set()
         self._ended: set[int] = set()  # ranks whose last output arrived
+
+    def attach(self, refs: dict) -> None:
+        """The calls' replies, once sent (the job is known to the outbox reader before)."""
+        self._refs.update(refs)
         for rank, ref in refs.items():
             ref.future().add_done_callback(lambda _f, r=rank: self._answer(r))
 
@@ -195,9 +213,11 @@ class _RayJob(Job):
 
     def on_output(self, message: dict) -> None:  # the outbox reader's thread
         rank, outputs, end = capture.outputs_of(message)
+        # Output first: a rank counts as done once its end is seen, and whatever arrives
+        # after the session took the last output would never be shown.
+        self.accept_output(outputs)
         if end:
             self._ended.add(rank)
-        self.accept_output(outputs)
 
     def _replied(self, rank: int) -> bool:
         # The done callback is the fast path; Ray Client's futures may never call it.
@@ -242,6 +262,7 @@ class RayBackend(Backend):
     name = "ray"
     hub = "head"
     creates_workers = True
+    knows_exit_codes = False  # Ray reaps its actors: how_it_died gives Ray's account instead
     connect_help = "a Ray cluster (ray://HOST:10001, or with --backend ray a GCS address HOST:6379 or auto)"
 
     cpus_per_worker = Float(0.0, config=True, help="CPUs each rank's actor reserves; Ray gives it as many "
@@ -290,9 +311,10 @@ class RayBackend(Backend):
         deadline = time.monotonic() + timeout
         with engine_errors("could not start the embedded Ray cluster", cleanup=self.stop):
             address = self._start_head(deadline)
-            self._environ = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
-            _set_environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self._token_file()})
-            with _one_node():
+            # A token in RAY_AUTH_TOKEN (another cluster's) would win over our file: unset while ours runs.
+            self._environ = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+            _set_environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": None, "RAY_AUTH_TOKEN_PATH": self._token_file()})
+            with _one_node(), _kernel_signals():
                 ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}",
                          log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)
             self._address = address
@@ -319,7 +341,8 @@ class RayBackend(Backend):
         environ = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self._token_file(),
                        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                        # As Dask's memory_limit=0: no monitor killing a rank that trains a big model.
-                       RAY_memory_monitor_refresh_ms="0", **kernel_watch_env())
+                       RAY_memory_monitor_refresh_ms="0", **kernel_watch_env(self._scratch))
+        environ.pop("RAY_AUTH_TOKEN", None)  # it would win over our token file
         flags = {"num_cpus": os.cpu_count() or 1, **self.cluster_options}
         self._client_port = rendezvous.free_port(rendezvous.LOOPBACK)
         command = [sys.executable, "-c", _HEAD_MAIN, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
@@ -355,7 +378,8 @@ class RayBackend(Backend):
         # A head on loopback is a one-node cluster of this machine's (see _one_node); any
         # other is reached as Ray reaches it.
         one_node = _one_node() if not address.startswith("ray://") and _is_loopback(host) else contextlib.nullcontext()
-        with engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop), one_node:
+        with (engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop), one_node,
+              _kernel_signals()):
             for attempt in (1, 2):
                 try:
                     ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}", log_to_driver=False,
@@ -401,8 +425,8 @@ class RayBackend(Backend):
         self._pids = ray.get(pings)
         if self._head is not None:
             self._head_tree = [psutil.Process(self._head.pid), *psutil.Process(self._head.pid).children(recursive=True)]
-        self._reading.clear()
-        self._reader = threading.Thread(target=self._read_outboxes, args=(list(self._actors),),
+        self._reading = threading.Event()  # this reader's: one left from a stop that timed out keeps its own
+        self._reader = threading.Thread(target=self._read_outboxes, args=(list(self._actors), self._reading),
                                         name="jupyter_scale-ray-outbox", daemon=True)
         self._reader.start()
 
@@ -427,26 +451,28 @@ class RayBackend(Backend):
             self._reader = None
         processes = self._head_tree or descendants_of(self._head)
         actors, group, self._actors, self._group, self._pids, self._jobs = self._actors, self._group, [], None, [], {}
-        if ray.is_initialized():
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
-            if group is not None:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(group)
-            ray.shutdown()
-        if self._environ:
-            _set_environ(self._environ)
-            self._environ = {}
         head, self._head, self._head_tree = self._head, None, []
-        if head is not None:
-            head.terminate()  # ray start --block stops what it started
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                head.wait(20)
-            end_processes(processes, timeout=5)  # by pid, what did not stop
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
+        try:
+            if ray.is_initialized():
+                for actor in actors:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+                if group is not None:
+                    with contextlib.suppress(Exception):
+                        remove_placement_group(group)
+                ray.shutdown()
+            if self._environ:
+                _set_environ(self._environ)
+        finally:  # whatever Ray said, nothing of the embedded cluster stays
+            self._environ = {}
+            if head is not None:
+                head.terminate()  # ray start --block stops what it started
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    head.wait(20)
+                end_processes(processes, timeout=5)  # by pid, what did not stop
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
 
     @property
     def running(self) -> bool:
@@ -521,10 +547,10 @@ class RayBackend(Backend):
             raise ClusterError("no Ray cluster is attached")
         return self._actors
 
-    def _read_outboxes(self, actors: list) -> None:
+    def _read_outboxes(self, actors: list, stopped: threading.Event) -> None:
         """The kernel's side of the outboxes: output to its job, metrics to the event queue."""
         pending = {actor.take.remote(TAKE_WAIT_S): actor for actor in actors}
-        while pending and not self._reading.is_set():
+        while pending and not stopped.is_set():
             try:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=TAKE_WAIT_S * 2)
             except Exception:  # Ray shut down under us
@@ -537,8 +563,12 @@ class RayBackend(Backend):
                     continue
                 for kind, message in messages:
                     self._route(kind, message)
-                if not self._reading.is_set():
+                if stopped.is_set():
+                    continue
+                try:
                     pending[actor.take.remote(TAKE_WAIT_S)] = actor
+                except Exception:  # Ray going away: the loop ends with nothing pending
+                    log.debug("could not ask an outbox again", exc_info=True)
 
     def _route(self, kind: str, message: Any) -> None:
         if kind == "event":
@@ -556,10 +586,10 @@ class RayBackend(Backend):
     def _new_job(self, fn: Callable, calls: dict[int, tuple], held: list) -> _RayJob:
         actors = self._require_actors()
         job_id = f"{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex[:8]}-{next(self._job_ids)}"
-        job = self._jobs[job_id] = _RayJob(self, job_id, {
-            rank: actors[rank].call.remote(fn, job_id, rank, args, payload, self._client_mode)
-            for rank, (args, payload) in calls.items()
-        }, held)
+        # Known to the outbox reader before any call goes out: a short call's output may come at once.
+        job = self._jobs[job_id] = _RayJob(self, job_id, list(calls), held)
+        job.attach({rank: actors[rank].call.remote(fn, job_id, rank, args, payload, self._client_mode)
+                    for rank, (args, payload) in calls.items()})
         return job
 
     def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
