@@ -28,6 +28,7 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
         k.ok(SETUP)
         k.ok("%%distribute --workers 2\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2")
         store = k.value("jupyter_scale.get_session().group['store']['file']")
+        scratch = k.value("jupyter_scale.get_session().backend.describe().get('temp_dir')")  # Ray's
         started = psutil.Process(k.pid).children(recursive=True)
         ports = _listening_ports(started)
         assert len(started) >= 2 and ports
@@ -44,6 +45,7 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
 
             shutil.rmtree(rendezvous.new_store_dir())
         assert not os.path.exists(os.path.dirname(store)), "the group's store directory was left behind"
+        assert not scratch or not os.path.exists(scratch), f"{scratch} (the token, Ray's logs) was left behind"
     finally:
         k.client.stop_channels()
         k.manager.cleanup_resources()

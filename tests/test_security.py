@@ -117,7 +117,10 @@ def test_a_stranger_cannot_use_the_embedded_ray_cluster(engine_kernel):
     """Ray's token: the stranger, with a token of its own, as a driver (GCS), a Ray client
     (ray://), and raw gRPC to the raylet and to each rank's actor (kill it)."""
     k = engine_kernel
-    k.ok("%scale start --workers 2")
+    # A token the user holds for another cluster, which the stranger holds too: the embedded
+    # cluster must use its own, not this one (Ray prefers RAY_AUTH_TOKEN to a token file).
+    team_token = uuid.uuid4().hex * 2
+    k.ok(f"import os\nos.environ['RAY_AUTH_TOKEN'] = {team_token!r}\n%scale start --workers 2")
     info = k.value("jupyter_scale.get_session().backend.describe()")
     workers = k.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
     raylet = [p.pid for p in psutil.Process(k.pid).children(recursive=True) if p.name() == "raylet"]
@@ -128,9 +131,8 @@ def test_a_stranger_cannot_use_the_embedded_ray_cluster(engine_kernel):
     assert len(actor_ports) >= 2 and len(raylet_ports) >= 2
     marker = f"/tmp/jupyter_scale-stranger-{uuid.uuid4().hex}"
     result = run_as_stranger(f"""
-        import os, secrets
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
-                          RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        import os
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN={team_token!r}, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         import grpc, ray
         from ray.core.generated import core_worker_pb2, core_worker_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 
@@ -170,6 +172,8 @@ def test_a_stranger_cannot_use_the_embedded_ray_cluster(engine_kernel):
     assert not os.path.exists(marker)
     assert k.value("[w['pid'] for w in jupyter_scale.get_session().workers]") == workers
     _cell_still_right(k)
+    k.ok("%scale stop")
+    assert k.value("os.environ.get('RAY_AUTH_TOKEN')") == team_token  # the user's own, given back
 
 
 PROBE_PORT = """
