@@ -91,13 +91,21 @@ def _stop_and_check(k):
     assert not still, f"processes left behind by the kernel: {still}"
 
 
-@pytest.fixture(scope="module", params=ENGINES)
-def kernel(request):
-    """A real kernel with jupyter_scale loaded, once per engine (picked the way users do, with
-    $JUPYTER_SCALE_BACKEND); afterwards nothing it started may remain."""
-    k = _started_kernel(request.param)
-    yield k
-    _stop_and_check(k)
+def kernel_fixture(engines):
+    """A module-scoped `kernel` fixture over `engines`: a real kernel with jupyter_scale loaded,
+    once per engine (picked the way users do, with $JUPYTER_SCALE_BACKEND); afterwards nothing
+    it started may remain. A test module that assigns `kernel = kernel_fixture([...])` runs its
+    tests on those engines only."""
+    @pytest.fixture(scope="module", params=engines)
+    def kernel(request):
+        k = _started_kernel(request.param)
+        yield k
+        _stop_and_check(k)
+
+    return kernel
+
+
+kernel = kernel_fixture(ENGINES)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import COUNT_AVERAGING
+from conftest import CLUSTER_ENGINES, COUNT_AVERAGING, kernel_fixture
 
 NOTEBOOK = """
 import copy
@@ -45,6 +45,11 @@ for x, y in loader:
     opt.step()
 steps = len(loader)
 """
+
+
+# FSDP2 runs in the ranks' own code, which no engine touches; Ray runs the shared kernel tests
+# in the other modules, and these 17 would add minutes of CI on a third engine.
+kernel = kernel_fixture(CLUSTER_ENGINES)
 
 
 @pytest.fixture(scope="module")
