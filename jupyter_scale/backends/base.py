@@ -294,6 +294,10 @@ def _watch(pid, created):
     # SIGKILL, all at once: the kernel is gone, nothing here is worth a graceful exit, and a
     # process told to stop may stop its siblings' parent first (Ray's `ray start --block`
     # exits when one of its daemons does, leaving the others orphaned).
+    if scratch:  # the cluster's own files (Ray's: its token, logs, spilled objects), first: `ray
+        import shutil  # start` exits as soon as one of its daemons dies
+
+        shutil.rmtree(scratch, ignore_errors=True)
     children = psutil.Process().children(recursive=True)
     for child in children:
         try:
@@ -301,9 +305,6 @@ def _watch(pid, created):
         except psutil.Error:
             pass
     psutil.wait_procs(children, timeout=5)  # reaps ours: no zombie outlives us
-    if scratch:  # the cluster's own files (Ray's: its token, logs and spilled objects)
-        import shutil
-        shutil.rmtree(scratch, ignore_errors=True)
     os._exit(1)
 
 pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
