@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import glob
 import ipaddress
 import itertools
 import logging
@@ -44,7 +43,7 @@ from traitlets import Dict, Float
 from .. import capture, metrics, rendezvous, worker
 from ..errors import ClusterError
 from ..launchers import Launcher
-from . import Backend, Job, WorkerCallFailed, WorkerLost, end_processes, engine_errors
+from . import Backend, Job, WorkerCallFailed, WorkerLost, descendants, end_processes, engine_errors
 from .base import KERNEL_WATCH, Frames, kernel_watch_env, split_frames
 
 log = logging.getLogger(__name__)
@@ -289,7 +288,6 @@ class RayBackend(Backend):
         self._pids: list[int] = []
         self._group: Any = None  # the placement group
         self._head: subprocess.Popen | None = None
-        self._head_tree: list = []
         self._scratch: str | None = None
         self._client_port = 0
         self._client_mode = False  # through Ray Client (ray://): buffers travel in band
@@ -415,43 +413,23 @@ class RayBackend(Backend):
         self._actors = [_Rank.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=i)).remote(max(1, int(cpus))) for i in range(n)]
         pings = [actor.pid.remote() for actor in self._actors]
-        deadline = time.monotonic() + timeout
-        while len(ray.wait(pings, num_returns=n, timeout=1.0)[0]) < n:
-            said = self._died_starting()
-            if said:
-                raise ClusterError(f"{said}; fix the workers' Python environment and run the cell again")
-            if time.monotonic() > deadline:
-                raise ClusterError(f"Ray did not start {n} actors within {timeout:.0f} s")
+        if len(ray.wait(pings, num_returns=n, timeout=timeout)[0]) < n:
+            raise ClusterError(f"Ray did not start {n} actors within {timeout:.0f} s")
         self._pids = ray.get(pings)
-        if self._head is not None:
-            self._head_tree = [psutil.Process(self._head.pid), *psutil.Process(self._head.pid).children(recursive=True)]
         self._reading = threading.Event()  # this reader's: one left from a stop that timed out keeps its own
         self._reader = threading.Thread(target=self._read_outboxes, args=(list(self._actors), self._reading),
                                         name="jupyter_scale-ray-outbox", daemon=True)
         self._reader.start()
-
-    def _died_starting(self) -> str | None:
-        """What a worker process of the embedded cluster that ended before its actor started
-        wrote last (Ray keeps each worker's stderr in a log; it retries such workers forever)."""
-        if not self._scratch:
-            return None
-        logs = os.path.join(self._scratch, "r", "session_latest", "logs")
-        for path in glob.glob(os.path.join(logs, "worker-*.err")):
-            pid = int(path.rsplit("-", 1)[1].split(".")[0])
-            with open(path, errors="replace") as f:
-                lines = [line.strip() for line in f if line.strip()]
-            if lines and not _running(pid):
-                return f"a Ray worker process ({pid}) exited while starting: {lines[-1]}"
-        return None
 
     def stop(self) -> None:
         self._reading.set()
         if self._reader is not None:
             self._reader.join(timeout=2 * TAKE_WAIT_S + 1)
             self._reader = None
-        processes = self._head_tree or descendants_of(self._head)
+        # Ray's processes, found while the head still holds them (they are orphans once it exits).
+        processes = _tree(self._head.pid) if self._head is not None else []
         actors, group, self._actors, self._group, self._pids, self._jobs = self._actors, self._group, [], None, [], {}
-        head, self._head, self._head_tree = self._head, None, []
+        head, self._head = self._head, None
         try:
             if ray.is_initialized():
                 for actor in actors:
@@ -642,10 +620,9 @@ def _running(pid: int) -> bool:
         return False
 
 
-def descendants_of(process: subprocess.Popen | None) -> list:
-    if process is None:
-        return []
+def _tree(pid: int) -> list:
+    """psutil handles of a process and every process it started."""
     with contextlib.suppress(psutil.Error):
-        parent = psutil.Process(process.pid)
-        return [parent, *parent.children(recursive=True)]
+        process = psutil.Process(pid)
+        return [process, *descendants([process])]
     return []
