@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import launchers, training
+from . import jobfiles, launchers, training
 from .backends import available_backends, find_connection
 from .session import ScaleSession
 
@@ -42,6 +42,14 @@ def _names(text: str) -> list[str]:
     bad = [n for n in names if not n.isidentifier()]
     if bad or not names:
         raise UsageError(f"--pull takes comma-separated variable names, not {text!r}")
+    return names
+
+
+def _targets(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in jobfiles.TARGETS]
+    if unknown or not names:
+        raise UsageError(f"--to takes some of {','.join(jobfiles.TARGETS)}, not {text!r}")
     return names
 
 
@@ -141,6 +149,9 @@ class ScaleMagics(Magics):
                    "with jupyter_scale.save_checkpoint instead)")
     @argument("--cpu-offload", action="store_true",
               help="with --shard: keep the shards in CPU memory between uses (FSDP2's CPUOffloadPolicy; GPUs only)")
+    @argument("--export", default=None, metavar="DIR",
+              help="do not run the cell: write it, with the notebook code and values it needs, as a job "
+                   "directory (train.py for torchrun, run.sh, job.sbatch); see %%scale export")
     @_launcher_arguments
     @cell_magic
     def distribute(self, line: str, cell: str):
@@ -195,6 +206,12 @@ class ScaleMagics(Magics):
             shard["offload"] = True
         if shard and not args.shard:
             raise UsageError("--mixed-precision and --cpu-offload are options of --shard")
+        if args.export is not None:
+            if args.shard:
+                raise UsageError("--export cannot write a --shard cell yet: its script would train unsharded")
+            self._report_export(self.session.export(args.export, code=cell, workers=args.workers, manual=args.manual,
+                                                    cell=getattr(self.shell, "execution_count", None)))
+            return
         self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
                          steps=args.steps, launcher=launcher, launcher_options=options,
@@ -213,7 +230,39 @@ class ScaleMagics(Magics):
                              "%scale stop it first")
 
     @magic_arguments()
-    @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart", "connect"],
+    @argument("directory", help="where to write the job (a new or an earlier export's directory)")
+    @argument("--cell", type=_positive_int_named("--cell"), default=None,
+              help="the cell to export, by its In [N] (default: the last %%%%distribute cell run)")
+    @argument("--to", type=_targets, default=list(jobfiles.TARGETS),
+              help=f"comma-separated launch files to write: {','.join(jobfiles.TARGETS)} (default: all)")
+    @argument("--no-values", action="store_true",
+              help="save no notebook values: the script makes them with the notebook code that made them")
+    @argument("-n", "--workers", type=_positive_int, default=None,
+              help="processes in all (default: the cell's --workers, else the cluster's size)")
+    @argument("--nodes", type=_positive_int_named("--nodes"), default=1,
+              help="machines (Slurm nodes) to spread them over (default 1)")
+    def _export_arguments(self, line: str):
+        """%scale export DIR: a %%distribute cell as a job directory."""
+
+    def _export(self, line: str) -> None:
+        args = _parse(self._export_arguments, line)
+        self._report_export(self.session.export(args.directory, cell=args.cell, targets=args.to,
+                                                save_values=not args.no_values, workers=args.workers,
+                                                nodes=args.nodes))
+
+    @staticmethod
+    def _report_export(done: dict) -> None:
+        print(f"jupyter_scale: exported to {done['directory']}: {', '.join(done['files'])}")
+        if done["values"]:
+            from .export import human_size
+
+            sizes = ", ".join(f"{name} {human_size(n)}" for name, n in done["values"].items())
+            print(f"  values.pt: {human_size(done['total_values'])} ({sizes})")
+        if "run.sh" in done["files"]:
+            print(f"  run it here: bash {done['directory']}/run.sh")
+
+    @magic_arguments()
+    @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart", "connect", "export"],
               help="what to do (default: status)")
     @argument("address", nargs="?", default=None,
               help="for connect: the cluster's address, whose form says the engine: a Dask scheduler "
@@ -252,7 +301,11 @@ class ScaleMagics(Magics):
             %scale connect tls://10.0.0.5:8786 --tls-ca-file ca.pem --tls-cert me.pem --tls-key me.key
             %scale connect --profile mpi --workers 8      # a running ipcluster
             %scale connect ipcontroller-client.json --rendezvous 10.2.0.0/16   # meet on that network
+            %scale export job                           # the last %%distribute cell as a job directory
+            %scale export job --cell 7 --to torchrun,slurm --nodes 2 --no-values
         """
+        if line.split()[:1] == ["export"]:  # its own arguments
+            return self._export(line.split(None, 1)[1] if len(line.split()) > 1 else "")
         args = _parse(self.scale, line)
         if args.workers is not None and args.action not in ("start", "restart", "connect"):
             raise UsageError(f"--workers goes with start, restart or connect, not {args.action}")

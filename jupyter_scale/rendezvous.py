@@ -257,7 +257,6 @@ def set_torchrun_env(rank: int, world_size: int, local_rank: int, local_world_si
     """The variables torchrun sets, so code written for torchrun runs unchanged, and the
     interface gloo listens on: without GLOO_SOCKET_IFNAME gloo takes the address the host
     name resolves to, which may be none, or one the other hosts cannot reach."""
-    global _gloo_interface_set
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -267,6 +266,12 @@ def set_torchrun_env(rank: int, world_size: int, local_rank: int, local_world_si
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
+    set_gloo_interface(master_addr)
+
+
+def set_gloo_interface(master_addr: str) -> None:
+    """GLOO_SOCKET_IFNAME: the interface this host reaches rank 0 from, unless the user chose."""
+    global _gloo_interface_set
     current = os.environ.get("GLOO_SOCKET_IFNAME")
     if current is not None and current != _gloo_interface_set:
         return  # the user's choice

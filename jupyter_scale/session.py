@@ -14,13 +14,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
+from . import export, jobfiles, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
 from .display import RunView
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
@@ -533,9 +534,7 @@ class ScaleSession(LoggingConfigurable):
             "resync": self._resync,
             # Rank 0 sends the pull-back through a file of its own there.
             "pull_through": self.shared_memory_keep if self.shared_memory else None,
-            # Drawn from the notebook's RNG, as the cell would draw locally: a notebook that
-            # calls torch.manual_seed gets the same worker runs every time.
-            "seed": int(torch.randint(0, 2**31 - 1, ()).item()),
+            "seed": _draw_seed(),
         }
         view = RunView(self, record, steps)
         self._notify("run_started", record, steps)
@@ -567,6 +566,68 @@ class ScaleSession(LoggingConfigurable):
             raise KeyboardInterrupt("interrupted as the cell ended: it had finished on every rank, "
                                     "and the notebook holds its results")
         return record
+
+    def export(self, directory: str | os.PathLike, *, code: str | None = None, cell: int | None = None,
+               targets: Sequence[str] = jobfiles.TARGETS, save_values: bool = True, workers: int | None = None,
+               nodes: int = 1, manual: bool = False) -> dict:
+        """Write a %%distribute cell as a job directory (train.py, its values, run.sh,
+        job.sbatch; see jupyter_scale.export and jupyter_scale.jobfiles).
+
+        The cell is `code` (a body), else In [`cell`], else the last %%distribute cell run.
+        Its %%distribute options give the defaults: --workers, --manual. `save_values=False`:
+        the notebook's values are made by the notebook code that made them, not saved.
+        Raises ExportError naming what cannot be exported; writes nothing then.
+        """
+        cells = self._executed_cells()
+        if code is None:
+            cell, line, code = self._distribute_cell(cells, cell)
+            import shlex
+
+            options = shlex.split(line)
+            manual = manual or "--manual" in options
+            if "--shard" in options:
+                raise export.ExportError("cannot export a --shard cell yet: its script would train unsharded")
+            for flag in ("--workers", "-n"):
+                if workers is None and flag in options[:-1]:
+                    workers = int(options[options.index(flag) + 1])
+        workers = workers or (self.size if self.running else self.default_workers)
+        if workers % nodes:
+            raise export.ExportError(f"cannot export: {workers} workers do not split evenly over {nodes} nodes")
+        try:
+            export.check_script_syntax(code, self._transform)
+            statements = export.notebook_statements(cells, self._transform)
+            plan = export.plan_script(code, self.namespace, statements, save_values=save_values,
+                                      eligible=self._shippable, workers_own=self.shipper.workers_own())
+        except SyntaxError as exc:
+            raise export.ExportError(f"cannot export: the cell is not valid Python: {exc}") from None
+        name = os.path.basename(os.path.abspath(directory)) or "job"
+        shape = jobfiles.JobShape(name=name, per_node=workers // nodes, nodes=nodes)
+        return jobfiles.write(Path(directory), plan, shape, seed=_draw_seed(), automatic=not manual, cell=cell,
+                              targets=tuple(targets))
+
+    def _executed_cells(self) -> list[tuple[int, str]]:
+        """(In [n], source) of the cells run before this one."""
+        if self.shell is None:
+            return []
+        raw = self.shell.history_manager.input_hist_raw
+        current = getattr(self.shell, "execution_count", len(raw))
+        return [(n, raw[n]) for n in range(1, min(current, len(raw)))]
+
+    @staticmethod
+    def _distribute_cell(cells: list[tuple[int, str]], number: int | None) -> tuple[int, str, str]:
+        """(In [n], its %%distribute line, its body): In [`number`], else the last one run."""
+        found = [(n, source) for n, source in cells if source.lstrip().startswith("%%distribute")]
+        if number is not None:
+            found = [(n, source) for n, source in cells if n == number]
+            if not found:
+                raise export.ExportError(f"cannot export: no cell In [{number}] ran before this one")
+        if not found:
+            raise export.ExportError("cannot export: no %%distribute cell ran in this notebook yet (or name one: --cell N)")
+        n, source = found[-1]
+        first, _, body = source.lstrip().partition("\n")
+        if not first.startswith("%%distribute"):
+            return n, "", source  # a plain cell exports as %%distribute would run it
+        return n, first.removeprefix("%%distribute"), body
 
     def _done_with_frames(self, answered: bool) -> None:
         """The cell's shared-memory file may shrink or be written again once every rank
@@ -746,6 +807,12 @@ class ScaleSession(LoggingConfigurable):
 
 def _where(where: dict) -> str:
     return where.get("address") or ", ".join(f"{k} {v}" for k, v in where.items())
+
+
+def _draw_seed() -> int:
+    """Automatic mode's seed, drawn from the notebook's RNG as the cell would draw locally:
+    a notebook that calls torch.manual_seed gets the same worker runs every time."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())
 
 
 def _is_ipython_internal(name: str) -> bool:

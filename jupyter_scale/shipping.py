@@ -695,6 +695,10 @@ class Shipper:
             except Exception:  # cannot be pickled: at least notice when it is rebound
                 self._owned[name] = ("object", id(value))
 
+    def workers_own(self) -> set[str]:
+        """Names a distributed cell bound on the workers (see workers_rebound)."""
+        return set(self._owned)
+
     def _owned_unchanged(self, name: str, plan: Plan) -> bool:
         """Whether the workers own `name` and the notebook's value is as it was then.
 

@@ -50,10 +50,11 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def cell(self, code: str, timeout: float = 180, on_stream=None, on_comm=None) -> CellResult:
+    def cell(self, code: str, timeout: float = 180, on_stream=None, on_comm=None, history: bool = False) -> CellResult:
         """Run `code`; `on_stream(name, text)` is called for each output as it arrives,
-        `on_comm(msg_type, content)` for each comm message."""
-        msg_id = self.client.execute(code, store_history=False)
+        `on_comm(msg_type, content)` for each comm message. `history`: the cell counts as
+        a notebook cell (In [n], what %scale export reads); else it leaves no trace there."""
+        msg_id = self.client.execute(code, store_history=history)
         return self._collect(msg_id, code, timeout, on_stream, on_comm)
 
     def comm_open(self, target: str, data: dict | None = None, timeout: float = 60) -> tuple[str, CellResult]:
@@ -106,9 +107,9 @@ class Kernel:
             elif kind == "status" and content["execution_state"] == "idle":
                 return out
 
-    def ok(self, code: str, timeout: float = 180) -> CellResult:
+    def ok(self, code: str, timeout: float = 180, history: bool = False) -> CellResult:
         """Run a cell that must succeed; fail the test with its error otherwise."""
-        result = self.cell(code, timeout)
+        result = self.cell(code, timeout, history=history)
         assert result.ok, f"cell failed:\n{code}\n---\n{result.error_text}\n{result.stdout}\n{result.stderr}"
         return result
 

@@ -409,6 +409,7 @@ def test_worker_dying_between_cells_is_replaced(kernel):
     out = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "is gone; restarting the cluster with 2 workers" in out.stdout
     assert "[rank 1] sum 2.0" in out.stdout
+    assert "(raylet)" not in out.stdout  # the session says it; Ray's driver does not say it again
 
 def test_resize_then_stop_leaves_no_process(kernel):
     out = kernel.ok("%%distribute --workers 3\nprint('size', world_size)", timeout=120)

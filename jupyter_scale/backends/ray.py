@@ -166,13 +166,19 @@ def _one_node():
 
 
 @contextlib.contextmanager
-def _kernel_signals():
+def _as_kernel_driver():
     """ray.init makes SIGTERM raise SystemExit, which IPython catches: the kernel would outlive
-    its manager's SIGTERM. The kernel keeps its own handler."""
+    its manager's SIGTERM. The kernel keeps its own handler. And the driver's thread that
+    prints the cluster's error messages is not started: it prints into whatever cell runs
+    then, and what it says of our ranks (a worker died) the session says itself."""
     before = signal.getsignal(signal.SIGTERM)
+    worker_module = ray._private.worker
+    listener = worker_module.listen_error_messages
+    worker_module.listen_error_messages = lambda *args: None
     try:
         yield
     finally:
+        worker_module.listen_error_messages = listener
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, before)
 
@@ -312,7 +318,7 @@ class RayBackend(Backend):
             # A token in RAY_AUTH_TOKEN (another cluster's) would win over our file: unset while ours runs.
             self._environ = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
             _set_environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": None, "RAY_AUTH_TOKEN_PATH": self._token_file()})
-            with _one_node(), _kernel_signals():
+            with _one_node(), _as_kernel_driver():
                 ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}",
                          log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)
             self._address = address
@@ -377,7 +383,7 @@ class RayBackend(Backend):
         # other is reached as Ray reaches it.
         one_node = _one_node() if not address.startswith("ray://") and _is_loopback(host) else contextlib.nullcontext()
         with (engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop), one_node,
-              _kernel_signals()):
+              _as_kernel_driver()):
             for attempt in (1, 2):
                 try:
                     ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}", log_to_driver=False,

@@ -1,0 +1,156 @@
+"""The launch files of an exported job: how train.py runs without a notebook.
+
+Each target is one file beside train.py, written from the same parameters (processes per
+node, nodes, image) with defaults a user edits in place:
+
+- `run.sh`: torchrun on this machine;
+- `job.sbatch`: a Slurm batch job, one torchrun per node (srun) meeting through torchrun's
+  c10d rendezvous on the first node;
+
+Plus a README saying how to run each.
+"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import export
+from .export import ExportError, ScriptPlan
+
+TARGETS = ("torchrun", "slurm")
+
+
+@dataclass
+class JobShape:
+    """Where the job runs: `nodes` machines (or pods) of `per_node` processes each."""
+
+    name: str
+    per_node: int
+    nodes: int = 1
+    cpus_per_node: int = 0  # 0: one core per process
+    gpus_per_node: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.per_node * self.nodes
+
+    @property
+    def cpus(self) -> int:
+        return self.cpus_per_node or self.per_node
+
+
+def run_sh(shape: JobShape) -> str:
+    return f"""#!/usr/bin/env bash
+# Train on this machine: torchrun starts NPROC processes (default {shape.per_node}).
+set -euo pipefail
+cd "$(dirname "$0")"
+NPROC=${{NPROC:-{shape.per_node}}}
+# As %%distribute's workers: the machine's cores shared among the processes (torchrun
+# alone gives each process one thread).
+cores=$(nproc)
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cores / NPROC > 0 ? cores / NPROC : 1 ))}}
+exec torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC" train.py "$@"
+"""
+
+
+def job_sbatch(shape: JobShape) -> str:
+    gpus = f"#SBATCH --gpus-per-node={shape.gpus_per_node}\n" if shape.gpus_per_node else ""
+    return f"""#!/usr/bin/env bash
+#SBATCH --job-name={shape.name}
+#SBATCH --nodes={shape.nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task={shape.cpus}
+{gpus}# Add --partition, --time, --account, --mem as your cluster wants them.
+#
+# Submit from this directory (sbatch job.sbatch), where the job starts. One torchrun per
+# node, {shape.per_node} processes each; the nodes meet through torchrun's c10d rendezvous on the first node (where this
+# script runs), by address: host names need not resolve between nodes.
+set -euo pipefail
+# The job runs in the environment it was submitted from (sbatch passes it on); activate
+# the one that has requirements.txt installed here if yours does not.
+NPROC=${{NPROC:-{shape.per_node}}}
+export MASTER_ADDR=${{MASTER_ADDR:-$(hostname -I | cut -d' ' -f1)}}
+export MASTER_PORT=${{MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}}
+cpus=${{SLURM_CPUS_PER_TASK:-$NPROC}}
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cpus / NPROC > 0 ? cpus / NPROC : 1 ))}}
+export NPROC
+# Each node's torchrun says itself whether it hosts the rendezvous (the first node does):
+# torchrun's own guess compares host names, which need not resolve.
+srun --kill-on-bad-exit=1 bash -c 'exec torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC" \\
+    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \\
+    --rdzv-conf=is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false) train.py "$@"' torchrun "$@"
+"""
+
+
+def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str) -> str:
+    sections = [f"# {shape.name}: a training job exported by jupyter_scale\n\n"
+                f"`train.py` is {where} of the notebook with the notebook code it needs, run as `%%distribute` runs\n"
+                f"it: {shape.workers} processes ({shape.nodes} node{'s' if shape.nodes > 1 else ''} of {shape.per_node}), "
+                "one process group, automatic mode with the seed the cell would have had. Rank 0 saves the\n"
+                "trained models' weights as `output/NAME.pt` (state dicts: `model.load_state_dict(torch.load(...))`),\n"
+                "and every rank writes what it reports as JSON lines, `output/metrics-rankN.jsonl`\n"
+                "(`JUPYTER_SCALE_OUTPUT` moves `output/`).\n"]
+    if values:
+        listed = ", ".join(f"{name} ({size})" for name, size in values.items())
+        sections.append(f"`values.pt` holds the notebook's values as they were at export: {listed}.\n")
+    sections.append("Install what it needs (the versions the notebook ran): `pip install -r requirements.txt`.\n")
+    how = {
+        "run.sh": "## On this machine\n\n    bash run.sh                 # NPROC=4 bash run.sh for 4 processes\n",
+        "job.sbatch": "## On Slurm\n\n    sbatch job.sbatch           # from this directory\n\n"
+                      "One `torchrun` per node under `srun`; edit the `#SBATCH` lines for your partition and time.\n",
+    }
+    sections += [text for name, text in how.items() if name in files]
+    sections.append("## Security\n\ntorchrun's rendezvous store and gloo's connections carry no authentication: run the\n"
+                    "job on machines and networks only you (and those you trust) can reach.\n")
+    return "\n".join(sections)
+
+
+_MARK = "Exported by jupyter_scale"
+
+
+def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, automatic: bool, cell: int | None,
+          targets: tuple[str, ...] = TARGETS, root: Path | None = None) -> dict:
+    """Write the job directory; returns what was written (files, the values' sizes).
+    A directory that holds anything but an earlier export is refused."""
+    if directory.exists() and any(directory.iterdir()):
+        earlier = directory / "train.py"
+        if not (earlier.is_file() and _MARK in earlier.read_text(errors="replace")[:2000]):
+            raise ExportError(f"cannot export: {directory} is not empty (and holds no earlier export); "
+                              "name a new directory")
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ExportError(f"cannot export: unknown target {unknown[0]!r} (targets: {', '.join(TARGETS)})")
+    local = export.local_modules(plan.modules, root or Path.cwd())
+    directory.mkdir(parents=True, exist_ok=True)
+    where = f"In [{cell}]" if cell else "a %%distribute cell"
+    files: dict[str, str] = {
+        "train.py": export.script_text(plan, seed=seed, automatic=automatic, cell=cell,
+                                       title=f"{shape.name}: {where} of a notebook, as a torchrun script"),
+        "requirements.txt": "".join(line + "\n" for line in export.requirements(plan.modules, local)),
+    }
+    if "torchrun" in targets:
+        files["run.sh"] = run_sh(shape)
+    if "slurm" in targets:
+        files["job.sbatch"] = job_sbatch(shape)
+    sizes = {}
+    if plan.values:
+        sizes = export.save_values(plan.values, directory / "values.pt")
+    shown = {name: export.human_size(n) for name, n in sizes.items()}
+    files["README.md"] = readme(shape, list(files), shown, where)
+    for name, text in files.items():
+        path = directory / name
+        path.write_text(text)
+        if name.endswith(".sh") or name.endswith(".sbatch"):
+            path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    for source in local.values():  # the notebook's own modules travel with the script
+        target = directory / source.name
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target)
+    written = sorted([*files, *(["values.pt"] if plan.values else []), *(p.name for p in local.values())])
+    return {"directory": str(directory), "files": written, "values": sizes,
+            "total_values": (directory / "values.pt").stat().st_size if plan.values else 0}

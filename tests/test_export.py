@@ -1,0 +1,229 @@
+"""%scale export: a %%distribute cell becomes a job directory whose train.py, run by the real
+torchrun (and by sbatch on a real one-node Slurm), trains to the weights the cell trains to."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import slurm
+from conftest import README_DATA, README_LOOP, SETUP, wait_gone
+from jupyter_scale import export
+from kernel import Kernel
+
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    try:
+        k.ok(SETUP, history=True)
+        yield k
+    finally:
+        k.cell("%scale stop", timeout=120)
+        leftovers = k.descendants()
+        k.shutdown()
+        assert wait_gone(leftovers) == [], "the kernel left processes behind"
+
+
+def run_job(argv, cwd, timeout=300, env=None):
+    """Run a job's launcher as a user would; everything it started ends with it."""
+    env = dict(os.environ if env is None else env, PATH=VENV_BIN + os.pathsep + os.environ["PATH"])
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group we started, by its pid
+        out, _ = proc.communicate()
+        pytest.fail(f"{argv} still running after {timeout} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{out[-5000:]}"
+    assert wait_gone([p for p in psutil.process_iter() if _in_group(p, proc.pid)]) == []
+    return out
+
+
+def _in_group(p, pgid):
+    try:
+        return os.getpgid(p.pid) == pgid
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def losses_of(directory: Path) -> dict:
+    points = {}
+    for path in sorted((directory / "output").glob("metrics-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            p = json.loads(line)
+            points[(p["rank"], p["step"])] = p["loss"]
+    return points
+
+
+def assert_same_weights(saved: Path, kernel, name="model"):
+    kernel.ok(f"torch.save({name}.state_dict(), {str(saved) + '.notebook'!r})")
+    script, notebook = torch.load(saved), torch.load(str(saved) + ".notebook")
+    assert script.keys() == notebook.keys()
+    for key in script:
+        assert torch.allclose(script[key], notebook[key], rtol=0, atol=1e-6), f"{key} differs"
+
+
+def test_the_exported_cell_trains_to_the_weights_the_cell_trains_to(kernel, tmp_path):
+    job = tmp_path / "job"
+    kernel.ok(README_DATA, history=True)
+    # Export first, then run the same cell from the same state and seed.
+    kernel.ok("torch.manual_seed(7)\nbefore = {k: v.clone() for k, v in model.state_dict().items()}", history=True)
+    out = kernel.ok(f"%%distribute --workers 2 --export {job}\n" + README_LOOP, history=True)
+    assert f"exported to {job}" in out.stdout and "values.pt" in out.stdout
+    assert "[rank" not in out.stdout  # --export writes the job; the cell does not run
+    assert sorted(p.name for p in job.iterdir()) == ["README.md", "job.sbatch", "requirements.txt", "run.sh",
+                                                     "train.py", "values.pt"]
+    kernel.ok("torch.manual_seed(7)\nmodel.load_state_dict(before)")
+    kernel.ok("%%distribute --workers 2\n" + README_LOOP, timeout=300, history=True)
+    notebook_losses = {(p["rank"], p["step"]): p["loss"] for p in kernel.value("jupyter_scale.history()")}
+
+    said = run_job(["bash", "run.sh"], cwd=job)
+    assert "jupyter_scale: finished" in said and "model.pt" in said
+    assert_same_weights(job / "output" / "model.pt", kernel)
+    script_losses = losses_of(job)
+    assert script_losses.keys() == notebook_losses.keys() and len(script_losses) == 2 * 32  # 2 ranks, 2 epochs of 16 batches
+    assert all(abs(script_losses[k] - notebook_losses[k]) < 1e-6 for k in script_losses)
+
+    requirements = (job / "requirements.txt").read_text().splitlines()
+    assert f"torch=={torch.__version__}" in requirements
+    assert any(line.startswith("jupyter_scale==") or line.startswith("jupyter-scale==") for line in requirements)
+
+
+def test_the_sbatch_job_trains_to_the_same_weights_on_slurm(kernel, tmp_path):
+    reason = slurm.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    job = tmp_path / "job"
+    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(11)", history=True)
+    kernel.ok(f"%scale export {job} --to slurm", history=True)  # the last %%distribute cell
+    assert not (job / "run.sh").exists() and (job / "job.sbatch").exists()
+    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(11)")
+    kernel.ok("%%distribute --workers 2\n" + README_LOOP, timeout=300, history=True)
+    with slurm.Slurm(cpus=4) as cluster:
+        env = dict(cluster.env, PATH=VENV_BIN + os.pathsep + os.environ["PATH"])
+        done = subprocess.run(["sbatch", "--parsable", f"--output={job}/slurm-%j.out", "job.sbatch"], cwd=job,
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        job_id = done.stdout.strip().split(";")[0]
+        state = cluster.wait(job_id, timeout=300)
+        said = (job / f"slurm-{job_id}.out").read_text()
+        assert state == "COMPLETED", said[-3000:]
+        assert wait_gone(cluster.processes()) == []
+    assert "jupyter_scale: finished" in said
+    assert_same_weights(job / "output" / "model.pt", kernel)
+
+
+NOTEBOOK = [
+    "import numpy as np\nimport torch.nn.functional as F\nHIDDEN = 16",
+    "class Block(nn.Module):\n    def __init__(self, n):\n        super().__init__()\n        self.lin = nn.Linear(n, n)\n"
+    "    def forward(self, x):\n        return x + squash(self.lin(x))",
+    "def squash(x):\n    return F.relu(x) * SCALE\nSCALE = 0.5",
+    "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.inp = nn.Linear(8, HIDDEN)\n"
+    "        self.block = Block(HIDDEN)\n        self.out = nn.Linear(HIDDEN, 2)",
+    # The class gets its forward in a later cell.
+    "def forward(self, x):\n    return self.out(self.block(self.inp(x)))\nNet.forward = forward",
+    "rng = np.random.default_rng(0)\narr = rng.normal(size=(256, 8)).astype('float32')\n"
+    "labels = (arr.sum(axis=1) > 0).astype('int64')\n"
+    "numbers = TensorDataset(torch.from_numpy(arr), torch.from_numpy(labels))\ntorch.manual_seed(3)\nnet = Net()",
+    "net  # shown, not code",
+    "%who_ls",
+]
+CELL = """
+loader = DataLoader(numbers, batch_size=16, shuffle=True)
+opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+for x, y in loader:
+    opt.zero_grad()
+    loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    opt.step()
+    report(loss=loss)
+"""
+
+
+def test_a_notebook_of_many_cells_exports_with_its_code_and_runs(kernel, tmp_path):
+    for cell in NOTEBOOK:
+        kernel.ok(cell, history=True)
+    job = tmp_path / "job"
+    kernel.ok(f"%%distribute --workers 2 --export {job}\n{CELL}", history=True)
+    train = (job / "train.py").read_text()
+    for definition in ("class Block", "def squash", "class Net", "Net.forward = forward",
+                       "import torch.nn.functional as F", "HIDDEN = 16", "SCALE = 0.5"):
+        assert definition in train, definition
+    # The values travel saved: the code that made them (and numpy) stays behind.
+    assert "%who_ls" not in train and "net  # shown" not in train and "rng.normal" not in train
+    assert "numpy" not in train
+    assert "net = _saved[\"net\"]" in train and "numbers = _saved[\"numbers\"]" in train
+    run_job(["bash", "run.sh"], cwd=job)
+    assert {rank for rank, _ in losses_of(job)} == {0, 1} and len(losses_of(job)) == 2 * 8  # 256 samples, 16 a batch
+    assert set(torch.load(job / "output" / "net.pt")) == set(kernel.value("list(net.state_dict())"))
+
+    # Without values: the script makes them with the notebook's code (and its seeding).
+    rebuilt = tmp_path / "rebuilt"
+    kernel.ok(f"%scale export {rebuilt} --no-values --to torchrun", history=True)  # the last %%distribute cell
+    train = (rebuilt / "train.py").read_text()
+    assert not (rebuilt / "values.pt").exists()
+    assert "arr = rng.normal" in train and "torch.manual_seed(3)" in train and "net = Net()" in train
+    assert "import numpy as np" in train and "numpy==" in (rebuilt / "requirements.txt").read_text()
+    assert "net  # shown" not in train
+    run_job(["bash", "run.sh"], cwd=rebuilt)
+    assert len(losses_of(rebuilt)) == 2 * 8
+
+
+def test_a_cell_reading_an_open_file_is_refused_by_name(kernel, tmp_path):
+    kernel.ok(f"log = open({str(tmp_path / 'log.txt')!r}, 'w')", history=True)
+    job = tmp_path / "job"
+    out = kernel.cell(f"%%distribute --workers 2 --export {job}\nlog.write(str(rank))\n", history=True)
+    assert out.error is not None and len(out.error["traceback"]) == 1, out.error_text
+    assert "log (TextIOWrapper) cannot be saved" in out.error["evalue"]
+    assert not job.exists()  # nothing written
+    kernel.ok("log.close()")
+    # A name only the workers hold (bound by an earlier cell there) cannot come along either.
+    kernel.ok("%%distribute --workers 2\nsteps_done = 3", history=True)
+    out = kernel.cell(f"%%distribute --export {job}\nprint(steps_done)", history=True)
+    assert "steps_done exists only on the workers" in (out.error or {}).get("evalue", ""), out.error_text
+    # And IPython syntax in the cell itself.
+    out = kernel.cell(f"%%distribute --export {job}\n%time x = 1", history=True)
+    assert "line 1 of the cell is IPython syntax" in (out.error or {}).get("evalue", ""), out.error_text
+    assert not job.exists()
+
+
+# ----------------------------------------------------------------------------------------
+# The slicing itself, on cells as IPython hands them over
+# ----------------------------------------------------------------------------------------
+
+
+def _plan(cells, body, namespace, **options):
+    statements = export.notebook_statements(list(enumerate(cells, 1)), lambda code: code)
+    return export.plan_script(body, namespace, statements, **options)
+
+
+def test_the_last_definition_wins_and_its_reads_are_followed():
+    cells = ["def helper():\n    return 1", "K = 2", "def helper():\n    return K * 2", "def unrelated():\n    pass"]
+    namespace = {"__name__": "__main__"}  # functions defined here are the notebook's
+    for cell in cells:
+        exec(cell, namespace)
+    plan = _plan(cells, "print(helper())", namespace)
+    assert [s.source for s in plan.statements] == ["def helper():\n    return K * 2\n"]
+    assert plan.literals == {"K": "2"}
+
+
+def test_a_definition_made_by_ipython_syntax_or_missing_is_refused():
+    def made():
+        pass
+
+    made.__module__ = "__main__"
+    with pytest.raises(export.ExportError, match=r"made is made with IPython syntax in In \[1\]"):
+        _plan(["made = get_ipython().user_ns['x']"], "made()", {"made": made})
+    with pytest.raises(export.ExportError, match="made .a function of the notebook. is not defined by any executed"):
+        _plan([], "made()", {"made": made})
