@@ -62,6 +62,7 @@ def load_ipython_extension(ip) -> None:
     from .sidebar import SidebarChannel
 
     session = get_session()
+    session.record_cells()  # what %scale export slices
     ip.register_magics(ScaleMagics(ip, session))
     if not any(isinstance(o, SidebarChannel) for o in session.observers):
         SidebarChannel(session).register(ip)  # the JupyterLab sidebar, where a frontend is attached

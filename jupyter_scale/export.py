@@ -57,8 +57,9 @@ class ExportError(DistributeError):
 class Statement:
     """One top-level statement of an executed cell."""
 
-    cell: int  # In [n]
+    cell: int | None  # In [n], when the notebook numbers it
     index: int  # its place among all statements, in execution order
+    cell_index: int  # its cell's place among the cells run
     source: str
     binds: frozenset[str]  # names it binds in the notebook's namespace
     changes: frozenset[str]  # names whose object it changes (Net.forward = f, model.load_state_dict(...))
@@ -70,11 +71,11 @@ class Statement:
         return self.source.strip().splitlines()[0][:80]
 
 
-def notebook_statements(cells: Iterable[tuple[int, str]], transform: Callable[[str], str]) -> list[Statement]:
-    """The top-level statements of `cells` ((In [n], raw source), in execution order);
+def notebook_statements(cells: Iterable[tuple[int | None, str]], transform: Callable[[str], str]) -> list[Statement]:
+    """The top-level statements of `cells` ((In [n] or None, raw source), in execution order);
     `transform` turns IPython syntax into Python (the shell's transform_cell)."""
     statements: list[Statement] = []
-    for number, raw in cells:
+    for cell_index, (number, raw) in enumerate(cells):
         code = transform(raw)
         try:
             tree = ast.parse(code)
@@ -92,7 +93,7 @@ def notebook_statements(cells: Iterable[tuple[int, str]], transform: Callable[[s
             except SyntaxError:  # a segment that only parses in its cell
                 reads = ()
             statements.append(Statement(
-                cell=number, index=len(statements), source=source.rstrip() + "\n",
+                cell=number, index=len(statements), cell_index=cell_index, source=source.rstrip() + "\n",
                 binds=frozenset(_bound_names(node)), changes=frozenset(_changed_names(node)), reads=reads,
                 ipython=any(isinstance(n, ast.Name) and n.id == "get_ipython" for n in ast.walk(node)),
                 seeds=_is_seeding(node)))
@@ -255,7 +256,7 @@ def plan_script(body: str, namespace: dict, statements: list[Statement], *, save
                               "(made by %run, exec or an extension?); define it in a cell, or import it from a module")
         last = found[-1]
         if last.ipython:
-            raise ExportError(f"cannot export: {name} is made with IPython syntax in In [{last.cell}] "
+            raise ExportError(f"cannot export: {name} is made with IPython syntax in {_cell_name(last.cell)} "
                               f"({last.first_line()}), which a script cannot run")
         later = [s for s in statements if s.index > last.index and name in s.changes and not s.ipython]
         for statement in [last, *later]:
@@ -396,9 +397,12 @@ class _ByteCounter(io.RawIOBase):
 # --------------------------------------------------------------------------------------
 
 
-def requirements(modules: Iterable[str], local: Iterable[str] = ()) -> list[str]:
+def requirements(modules: Iterable[str], local: Iterable[str] = (), extras: dict[str, str] | None = None) -> list[str]:
     """`dist==version` lines for the installed distributions that provide `modules`
-    (the standard library and local modules left out); torch and jupyter_scale always."""
+    (the standard library and local modules left out); torch and jupyter_scale always.
+    A local version label (torch's +cpu) is left out: which build is the machine's choice.
+    `extras`: distribution -> the extras to ask for (ray -> "default")."""
+    extras = extras or {}
     provided = importlib.metadata.packages_distributions()
     lines: dict[str, str] = {}
     unknown = []
@@ -417,7 +421,9 @@ def requirements(modules: Iterable[str], local: Iterable[str] = ()) -> list[str]
             continue
         for dist_name in distributions:
             try:
-                lines[dist_name.lower()] = f"{dist_name}=={importlib.metadata.version(dist_name)}"
+                version = importlib.metadata.version(dist_name).split("+")[0]
+                extra = f"[{extras[dist_name.lower()]}]" if dist_name.lower() in extras else ""
+                lines[dist_name.lower()] = f"{dist_name}{extra}=={version}"
             except importlib.metadata.PackageNotFoundError:
                 unknown.append(module)
     return sorted(lines.values(), key=str.lower) + [
@@ -457,11 +463,16 @@ def human_size(n: float) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def _cell_name(number: int | None) -> str:
+    return f"In [{number}]" if number else "a cell"
+
+
 def script_text(plan: ScriptPlan, *, seed: int, automatic: bool, cell: int | None, title: str) -> str:
     """train.py: imports, literals, the notebook's code, then the cell under `script.start`."""
     where = f"In [{cell}]" if cell else "a %%distribute cell"
     parts = [f'"""{title}\n\nExported by jupyter_scale from {where}: README.md says how to run it (torchrun,\n'
-             "Slurm). Without torchrun it runs as one process, as the cell runs without %%distribute.\n"
+             "Slurm, Kubeflow, KubeRay). Without torchrun it runs as one process, as the cell runs\n"
+             "without %%distribute.\n"
              '"""\n',
              "import jupyter_scale.script\n"]
     if plan.imports:
@@ -471,9 +482,9 @@ def script_text(plan: ScriptPlan, *, seed: int, automatic: bool, cell: int | Non
                      "".join(f"{name} = {text}\n" for name, text in plan.literals.items()))
     cell_of = None
     for statement in plan.statements:
-        if statement.cell != cell_of:
-            cell_of = statement.cell
-            parts.append(f"# In [{cell_of}]\n")
+        if statement.cell_index != cell_of:
+            cell_of = statement.cell_index
+            parts.append(f"# {_cell_name(statement.cell)}\n")
         parts[-1] += statement.source
     options = f"seed={seed}" + ("" if automatic else ", automatic=False")
     mode = ("automatic mode (the same seed on every rank, DataLoaders sharded,\n# gradients averaged at each optimizer "

@@ -6,12 +6,20 @@ node, nodes, image) with defaults a user edits in place:
 - `run.sh`: torchrun on this machine;
 - `job.sbatch`: a Slurm batch job, one torchrun per node (srun) meeting through torchrun's
   c10d rendezvous on the first node;
+- `pytorchjob.yaml`: a Kubeflow PyTorchJob (kubeflow.org/v1): one pod per node, whose
+  `torchrun train.py` gets the node count, its node rank and the master from the training
+  operator (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...);
+- `rayjob.yaml`: a KubeRay RayJob (ray.io/v1) whose entrypoint runs train.py on the Ray
+  workers, one actor a rank (`python -m jupyter_scale.ray_job`).
 
-Plus a README saying how to run each.
+The Kubernetes targets come with a Dockerfile for their image (this directory on top of
+Python, torch and requirements.txt), and every export with a README saying how to run each.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import shutil
 import stat
 from dataclasses import dataclass
@@ -20,7 +28,18 @@ from pathlib import Path
 from . import export
 from .export import ExportError, ScriptPlan
 
-TARGETS = ("torchrun", "slurm")
+TARGETS = ("torchrun", "slurm", "kubeflow", "ray")
+# Where the Kubernetes targets find the job directory in their image (the Dockerfile's WORKDIR).
+IMAGE_DIR = "/job"
+
+
+def job_name(directory_name: str) -> str:
+    """A name every target takes: a Kubernetes name (DNS-1035: lower-case letters, digits and
+    dashes, from a letter; at most 47 characters for KubeRay's derived names)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", directory_name.lower()).strip("-")
+    if not name or not name[0].isalpha():
+        name = "job-" + name
+    return name[:47].rstrip("-")
 
 
 @dataclass
@@ -30,8 +49,10 @@ class JobShape:
     name: str
     per_node: int
     nodes: int = 1
+    image: str = ""
     cpus_per_node: int = 0  # 0: one core per process
     gpus_per_node: int = 0
+    memory_per_node: str = "4Gi"
 
     @property
     def workers(self) -> int:
@@ -85,6 +106,105 @@ srun --kill-on-bad-exit=1 bash -c 'exec torchrun --nnodes="$SLURM_NNODES" --npro
 """
 
 
+def dockerfile(torch_version: str) -> str:
+    return f"""# The image of the Kubernetes jobs: this directory on top of Python, torch and requirements.txt.
+#   docker build -t IMAGE . && docker push IMAGE      (the manifests name IMAGE)
+FROM python:3.11-slim
+WORKDIR {IMAGE_DIR}
+COPY requirements.txt .
+# torch's CPU build; for GPUs start FROM a CUDA image and install torch=={torch_version} for it.
+RUN pip install --no-cache-dir torch=={torch_version} --index-url https://download.pytorch.org/whl/cpu \\
+ && pip install --no-cache-dir -r requirements.txt
+COPY . .
+"""
+
+
+def _container(shape: JobShape, name: str, command: list[str], indent: int, cpus: int, env: dict) -> str:
+    """A pod template's one container, as YAML at `indent` spaces."""
+    resources = {"cpu": str(cpus), "memory": shape.memory_per_node}
+    if shape.gpus_per_node:
+        resources["nvidia.com/gpu"] = str(shape.gpus_per_node)
+    quoted = ", ".join(f'"{part}"' for part in command)
+    lines = [f"- name: {name}", f"  image: {shape.image}", f"  workingDir: {IMAGE_DIR}"]
+    if command:
+        lines.append(f"  command: [{quoted}]")
+    if env:
+        lines.append("  env:")
+        lines += [f"    - name: {k}\n      value: \"{v}\"" for k, v in env.items()]
+    lines.append("  resources:")
+    for kind in ("requests", "limits"):
+        lines.append(f"    {kind}:")
+        lines += [f"      {k}: \"{v}\"" for k, v in resources.items()]
+    return "".join(" " * indent + line.replace("\n", "\n" + " " * indent) + "\n" for line in lines)
+
+
+def pytorchjob_yaml(shape: JobShape) -> str:
+    env = {"OMP_NUM_THREADS": max(1, shape.cpus // shape.per_node), "JUPYTER_SCALE_OUTPUT": f"{IMAGE_DIR}/output"}
+
+    def replicas(role: str, count: int) -> str:
+        return (f"    {role}:\n      replicas: {count}\n"
+                "      # A process group cannot take back one restarted rank: a failed pod fails the job.\n"
+                "      restartPolicy: Never\n      template:\n        spec:\n          containers:\n" +
+                _container(shape, "pytorch", ["torchrun", "train.py"], 12, shape.cpus, env))
+
+    workers = replicas("Worker", shape.nodes - 1) if shape.nodes > 1 else ""
+    return f"""# A Kubeflow PyTorchJob (the training operator's kubeflow.org/v1): kubectl apply -f pytorchjob.yaml
+# One pod per node ({shape.nodes}), {shape.per_node} processes each: the operator gives every pod's
+# `torchrun train.py` the node count, its node rank and the master pod's address (PET_NNODES,
+# PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; nprocPerNode becomes PET_NPROC_PER_NODE).
+# Set the image (see Dockerfile), the resources, and a volume at {IMAGE_DIR}/output to keep the weights.
+apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata:
+  name: {shape.name}
+spec:
+  nprocPerNode: "{shape.per_node}"
+  runPolicy:
+    cleanPodPolicy: None  # the pods stay for their logs
+  pytorchReplicaSpecs:
+{replicas("Master", 1)}{workers}"""
+
+
+def rayjob_yaml(shape: JobShape, ray_version: str) -> str:
+    entrypoint = (f"python -m jupyter_scale.ray_job --workers {shape.workers} --cpus-per-worker "
+                  f"{max(1, shape.cpus // shape.per_node)}" +
+                  (f" --gpus-per-worker {shape.gpus_per_node // shape.per_node}" if shape.gpus_per_node else "") +
+                  f" {IMAGE_DIR}/train.py")
+    head = JobShape(shape.name, 1, image=shape.image, memory_per_node="2Gi")
+    output = {"JUPYTER_SCALE_OUTPUT": f"{IMAGE_DIR}/output"}
+    return f"""# A KubeRay RayJob (ray.io/v1): kubectl apply -f rayjob.yaml
+# A Ray cluster of {shape.nodes} worker pod(s) for the job; its entrypoint runs train.py on {shape.workers}
+# Ray actors, one a rank, with torchrun's variables (python -m jupyter_scale.ray_job). The head
+# runs the driver only (num-cpus 0). Set the image (see Dockerfile), the resources, and a volume
+# at {IMAGE_DIR}/output on the workers to keep the weights (rank 0 writes them).
+apiVersion: ray.io/v1
+kind: RayJob
+metadata:
+  name: {shape.name}
+spec:
+  entrypoint: {entrypoint}
+  shutdownAfterJobFinishes: true
+  ttlSecondsAfterFinished: 600
+  rayClusterSpec:
+    rayVersion: "{ray_version}"
+    headGroupSpec:
+      rayStartParams:
+        num-cpus: "0"
+      template:
+        spec:
+          containers:
+{_container(head, "ray-head", [], 12, 1, output)}    workerGroupSpecs:
+      - groupName: workers
+        replicas: {shape.nodes}
+        minReplicas: {shape.nodes}
+        maxReplicas: {shape.nodes}
+        rayStartParams: {{}}
+        template:
+          spec:
+            containers:
+{_container(shape, "ray-worker", [], 14, shape.cpus, output)}"""
+
+
 def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str) -> str:
     sections = [f"# {shape.name}: a training job exported by jupyter_scale\n\n"
                 f"`train.py` is {where} of the notebook with the notebook code it needs, run as `%%distribute` runs\n"
@@ -102,6 +222,16 @@ def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str
         "job.sbatch": "## On Slurm\n\n    sbatch job.sbatch           # from this directory\n\n"
                       "One `torchrun` per node under `srun`; edit the `#SBATCH` lines for your partition and time.\n",
     }
+    how["pytorchjob.yaml"] = ("## On Kubernetes, with the Kubeflow training operator\n\n"
+                              "    docker build -t IMAGE . && docker push IMAGE   # then name IMAGE in the manifest\n"
+                              "    kubectl apply -f pytorchjob.yaml\n\n"
+                              "One pod per node; the operator gives each pod's `torchrun` the node count, its node rank\n"
+                              "and the master's address. Mount a volume at `/job/output` to keep the weights.\n")
+    how["rayjob.yaml"] = ("## On Kubernetes, with KubeRay\n\n"
+                          "    kubectl apply -f rayjob.yaml                   # the same image\n\n"
+                          "The entrypoint, `python -m jupyter_scale.ray_job --workers N /job/train.py`, runs train.py\n"
+                          "on N Ray actors with torchrun's variables; it runs against any Ray cluster too\n"
+                          "(`RAY_ADDRESS=HEAD:6379 python -m jupyter_scale.ray_job --workers N train.py`).\n")
     sections += [text for name, text in how.items() if name in files]
     sections.append("## Security\n\ntorchrun's rendezvous store and gloo's connections carry no authentication: run the\n"
                     "job on machines and networks only you (and those you trust) can reach.\n")
@@ -109,6 +239,13 @@ def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str
 
 
 _MARK = "Exported by jupyter_scale"
+
+
+def _installed(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, automatic: bool, cell: int | None,
@@ -129,12 +266,21 @@ def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, auto
     files: dict[str, str] = {
         "train.py": export.script_text(plan, seed=seed, automatic=automatic, cell=cell,
                                        title=f"{shape.name}: {where} of a notebook, as a torchrun script"),
-        "requirements.txt": "".join(line + "\n" for line in export.requirements(plan.modules, local)),
+        # The RayJob's head serves Ray's job submission: ray[default].
+        "requirements.txt": "".join(line + "\n" for line in export.requirements(
+            plan.modules | ({"ray"} if "ray" in targets else set()), local,
+            extras={"ray": "default"} if "ray" in targets else None)),
     }
     if "torchrun" in targets:
         files["run.sh"] = run_sh(shape)
     if "slurm" in targets:
         files["job.sbatch"] = job_sbatch(shape)
+    if "kubeflow" in targets:
+        files["pytorchjob.yaml"] = pytorchjob_yaml(shape)
+    if "ray" in targets:
+        files["rayjob.yaml"] = rayjob_yaml(shape, _installed("ray") or "2.52.0")
+    if {"kubeflow", "ray"} & set(targets):
+        files["Dockerfile"] = dockerfile(_installed("torch").split("+")[0])
     sizes = {}
     if plan.values:
         sizes = export.save_values(plan.values, directory / "values.pt")

@@ -151,7 +151,7 @@ class ScaleMagics(Magics):
               help="with --shard: keep the shards in CPU memory between uses (FSDP2's CPUOffloadPolicy; GPUs only)")
     @argument("--export", default=None, metavar="DIR",
               help="do not run the cell: write it, with the notebook code and values it needs, as a job "
-                   "directory (train.py for torchrun, run.sh, job.sbatch); see %%scale export")
+                   "directory (train.py for torchrun, job.sbatch, Kubeflow and KubeRay manifests); see %%scale export")
     @_launcher_arguments
     @cell_magic
     def distribute(self, line: str, cell: str):
@@ -209,8 +209,7 @@ class ScaleMagics(Magics):
         if args.export is not None:
             if args.shard:
                 raise UsageError("--export cannot write a --shard cell yet: its script would train unsharded")
-            self._report_export(self.session.export(args.export, code=cell, workers=args.workers, manual=args.manual,
-                                                    cell=getattr(self.shell, "execution_count", None)))
+            self._report_export(self.session.export(args.export, code=cell, workers=args.workers, manual=args.manual))
             return
         self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
@@ -240,15 +239,21 @@ class ScaleMagics(Magics):
     @argument("-n", "--workers", type=_positive_int, default=None,
               help="processes in all (default: the cell's --workers, else the cluster's size)")
     @argument("--nodes", type=_positive_int_named("--nodes"), default=1,
-              help="machines (Slurm nodes) to spread them over (default 1)")
+              help="machines (Slurm nodes, Kubernetes pods) to spread them over (default 1)")
+    @argument("--image", default=None, help="the Kubernetes manifests' container image (default: NAME:latest)")
     def _export_arguments(self, line: str):
         """%scale export DIR: a %%distribute cell as a job directory."""
 
     def _export(self, line: str) -> None:
         args = _parse(self._export_arguments, line)
-        self._report_export(self.session.export(args.directory, cell=args.cell, targets=args.to,
-                                                save_values=not args.no_values, workers=args.workers,
-                                                nodes=args.nodes))
+        number, options, body = self.session.distribute_cell(args.cell)
+        cell = _parse(self.distribute, options) if options is not None else None
+        if cell is not None and cell.shard:
+            raise UsageError("cannot export a --shard cell yet: its script would train unsharded")
+        self._report_export(self.session.export(
+            args.directory, code=body, cell=number, targets=args.to, save_values=not args.no_values,
+            workers=args.workers or (cell.workers if cell else None), nodes=args.nodes, image=args.image,
+            manual=bool(cell and cell.manual)))
 
     @staticmethod
     def _report_export(done: dict) -> None:

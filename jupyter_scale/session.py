@@ -121,6 +121,23 @@ class ScaleSession(LoggingConfigurable):
         # run_started(record, total_steps), event(event), tick(), run_finished(record),
         # cluster_changed().
         self.observers: list[Any] = []
+        # The cells run since record_cells (In [n] where the shell keeps them, else None):
+        # what export slices. nbval and other clients run cells that IPython's history
+        # does not keep.
+        self.cells: list[tuple[int | None, str]] = []
+        self._history_before: int | None = None
+
+    def record_cells(self) -> None:
+        """From now on, note every cell the shell runs (its pre_run_cell event)."""
+        if self.shell is None or self._history_before is not None:
+            return
+        self._history_before = len(self.shell.history_manager.input_hist_raw)
+        self.shell.events.register("pre_run_cell", self._note_cell)
+
+    def _note_cell(self, info: Any) -> None:
+        # Before the shell stores the cell: it goes at the history's end, if it is kept.
+        number = len(self.shell.history_manager.input_hist_raw) if info.store_history else None
+        self.cells.append((number, info.raw_cell))
 
     def _notify(self, what: str, *args: Any) -> None:
         for observer in list(self.observers):
@@ -493,6 +510,7 @@ class ScaleSession(LoggingConfigurable):
         """
         if shard and manual:
             raise ValueError("shard is automatic mode's; with manual, call jupyter_scale.shard_model in the cell")
+        number = self._cell_number(code)
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
@@ -502,7 +520,7 @@ class ScaleSession(LoggingConfigurable):
         names = list(plan.values)
         self.ensure(workers, launcher, launcher_options)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size,
-                           execution_count=getattr(self.shell, "execution_count", None))
+                           execution_count=number)
         self.runs.append(record)
         shipment = self.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
@@ -569,27 +587,22 @@ class ScaleSession(LoggingConfigurable):
 
     def export(self, directory: str | os.PathLike, *, code: str | None = None, cell: int | None = None,
                targets: Sequence[str] = jobfiles.TARGETS, save_values: bool = True, workers: int | None = None,
-               nodes: int = 1, manual: bool = False) -> dict:
+               nodes: int = 1, image: str | None = None, manual: bool = False) -> dict:
         """Write a %%distribute cell as a job directory (train.py, its values, run.sh,
-        job.sbatch; see jupyter_scale.export and jupyter_scale.jobfiles).
+        job.sbatch, Kubeflow and KubeRay manifests; see jupyter_scale.export and jobfiles).
 
-        The cell is `code` (a body), else In [`cell`], else the last %%distribute cell run.
-        Its %%distribute options give the defaults: --workers, --manual. `save_values=False`:
-        the notebook's values are made by the notebook code that made them, not saved.
-        Raises ExportError naming what cannot be exported; writes nothing then.
+        The cell is `code` (a %%distribute cell's body; `cell` its In [n], if any), else
+        In [`cell`] or the last %%distribute cell run (see distribute_cell; its %%distribute
+        options are for the caller to read). `workers` in all over `nodes` (default: the
+        cluster's size); `manual`: the cell is --manual. `save_values=False`: the notebook's
+        values are made by the notebook code that made them, not saved. Raises ExportError
+        naming what cannot be exported; writes nothing then.
         """
         cells = self._executed_cells()
         if code is None:
-            cell, line, code = self._distribute_cell(cells, cell)
-            import shlex
-
-            options = shlex.split(line)
-            manual = manual or "--manual" in options
-            if "--shard" in options:
-                raise export.ExportError("cannot export a --shard cell yet: its script would train unsharded")
-            for flag in ("--workers", "-n"):
-                if workers is None and flag in options[:-1]:
-                    workers = int(options[options.index(flag) + 1])
+            cell, _, code = self.distribute_cell(cell)
+        elif cell is None:
+            cell = self._cell_number(code)
         workers = workers or (self.size if self.running else self.default_workers)
         if workers % nodes:
             raise export.ExportError(f"cannot export: {workers} workers do not split evenly over {nodes} nodes")
@@ -600,22 +613,34 @@ class ScaleSession(LoggingConfigurable):
                                       eligible=self._shippable, workers_own=self.shipper.workers_own())
         except SyntaxError as exc:
             raise export.ExportError(f"cannot export: the cell is not valid Python: {exc}") from None
-        name = os.path.basename(os.path.abspath(directory)) or "job"
-        shape = jobfiles.JobShape(name=name, per_node=workers // nodes, nodes=nodes)
+        name = jobfiles.job_name(os.path.basename(os.path.abspath(directory)))
+        shape = jobfiles.JobShape(name=name, per_node=workers // nodes, nodes=nodes, image=image or f"{name}:latest")
         return jobfiles.write(Path(directory), plan, shape, seed=_draw_seed(), automatic=not manual, cell=cell,
                               targets=tuple(targets))
 
-    def _executed_cells(self) -> list[tuple[int, str]]:
-        """(In [n], source) of the cells run before this one."""
+    def _executed_cells(self) -> list[tuple[int | None, str]]:
+        """(In [n] or None, source) of the notebook's cells run so far: those IPython's history
+        kept before record_cells, then every one since (this one's magic defines nothing)."""
         if self.shell is None:
             return []
         raw = self.shell.history_manager.input_hist_raw
-        current = getattr(self.shell, "execution_count", len(raw))
-        return [(n, raw[n]) for n in range(1, min(current, len(raw)))]
+        if self._history_before is None:
+            return [(n, raw[n]) for n in range(1, len(raw))]
+        return [(n, raw[n]) for n in range(1, min(self._history_before, len(raw)))] + list(self.cells)
 
-    @staticmethod
-    def _distribute_cell(cells: list[tuple[int, str]], number: int | None) -> tuple[int, str, str]:
-        """(In [n], its %%distribute line, its body): In [`number`], else the last one run."""
+    def _cell_number(self, body: str) -> int | None:
+        """In [n] of the cell running now, whose body is `body`. IPython 9 counts a cell it
+        keeps in its history before running it, IPython 8 after: the history says which."""
+        count = getattr(self.shell, "execution_count", None)
+        history = getattr(getattr(self.shell, "history_manager", None), "input_hist_raw", None) or []
+        if count and len(history) == count and body.strip() and history[-1].rstrip().endswith(body.strip()):
+            return count - 1
+        return count
+
+    def distribute_cell(self, number: int | None = None) -> tuple[int | None, str | None, str]:
+        """(In [n], its %%distribute line or None for a plain cell, its body): In [`number`],
+        else the last %%distribute cell run."""
+        cells = self._executed_cells()
         found = [(n, source) for n, source in cells if source.lstrip().startswith("%%distribute")]
         if number is not None:
             found = [(n, source) for n, source in cells if n == number]
@@ -626,7 +651,7 @@ class ScaleSession(LoggingConfigurable):
         n, source = found[-1]
         first, _, body = source.lstrip().partition("\n")
         if not first.startswith("%%distribute"):
-            return n, "", source  # a plain cell exports as %%distribute would run it
+            return n, None, source  # a plain cell exports as %%distribute would run it
         return n, first.removeprefix("%%distribute"), body
 
     def _done_with_frames(self, answered: bool) -> None:

@@ -1,4 +1,8 @@
+import os
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -113,3 +117,50 @@ def fresh_kernel():
     k = _started_kernel()
     yield k
     _stop_and_check(k)
+
+
+@pytest.fixture
+def ray_cli_cluster():
+    """A Ray head of 2 CPUs from the `ray` CLI, as a user or KubeRay starts one: on loopback
+    only (Ray's one-node setting) and with a token of its own, which the kernel is given as a
+    user gives it (RAY_AUTH_TOKEN_PATH)."""
+    import secrets
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="rayt-", dir="/tmp")  # short: Ray's socket paths
+    token = os.path.join(temp, "token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        client_port = s.getsockname()[1]
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    ray = Path(sys.executable).parent / "ray"
+    head = subprocess.Popen([ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--port=0",
+                             f"--ray-client-server-port={client_port}", "--include-dashboard=false",
+                             "--disable-usage-stats", f"--temp-dir={temp}", "--num-cpus=2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    found = Path(temp) / "ray_current_cluster"
+    tree = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (found.exists() and found.read_text().strip()):
+            assert time.monotonic() < deadline and head.poll() is None, "no Ray head within 60 s"
+            time.sleep(0.2)
+        tree = [psutil.Process(head.pid), *psutil.Process(head.pid).children(recursive=True)]
+        yield found.read_text().strip(), client_port, token, head
+    finally:
+        if head.poll() is None:  # and what it started since
+            tree += [p for p in psutil.Process(head.pid).children(recursive=True) if p not in tree]
+        if head.poll() is None:
+            head.terminate()
+        try:
+            head.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(timeout=10)
+        for p in wait_gone(tree, timeout=10):  # what `ray start` did not stop, by pid
+            p.kill()
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)

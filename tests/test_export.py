@@ -3,6 +3,7 @@ torchrun (and by sbatch on a real one-node Slurm), trains to the weights the cel
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 import slurm
 from conftest import README_DATA, README_LOOP, SETUP, wait_gone
-from jupyter_scale import export
+from jupyter_scale import export, jobfiles
 from kernel import Kernel
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -33,18 +34,25 @@ def kernel():
         assert wait_gone(leftovers) == [], "the kernel left processes behind"
 
 
-def run_job(argv, cwd, timeout=300, env=None):
+def _with_venv(env):
+    return dict(env, PATH=VENV_BIN + os.pathsep + os.environ["PATH"])
+
+
+def run_job(argv, cwd, timeout=200, env=None):
     """Run a job's launcher as a user would; everything it started ends with it."""
-    env = dict(os.environ if env is None else env, PATH=VENV_BIN + os.pathsep + os.environ["PATH"])
+    env = _with_venv(os.environ if env is None else env)
     env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group we started, by its pid
-        out, _ = proc.communicate()
-        pytest.fail(f"{argv} still running after {timeout} s:\n{out[-3000:]}")
+        out = ""
+        pytest.fail(f"{argv} still running after {timeout} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session we started, by its pid
+            proc.communicate()
     assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{out[-5000:]}"
     assert wait_gone([p for p in psutil.process_iter() if _in_group(p, proc.pid)]) == []
     return out
@@ -82,10 +90,13 @@ def test_the_exported_cell_trains_to_the_weights_the_cell_trains_to(kernel, tmp_
     out = kernel.ok(f"%%distribute --workers 2 --export {job}\n" + README_LOOP, history=True)
     assert f"exported to {job}" in out.stdout and "values.pt" in out.stdout
     assert "[rank" not in out.stdout  # --export writes the job; the cell does not run
-    assert sorted(p.name for p in job.iterdir()) == ["README.md", "job.sbatch", "requirements.txt", "run.sh",
-                                                     "train.py", "values.pt"]
+    assert sorted(p.name for p in job.iterdir()) == ["Dockerfile", "README.md", "job.sbatch", "pytorchjob.yaml",
+                                                     "rayjob.yaml", "requirements.txt", "run.sh", "train.py",
+                                                     "values.pt"]
     kernel.ok("torch.manual_seed(7)\nmodel.load_state_dict(before)")
     kernel.ok("%%distribute --workers 2\n" + README_LOOP, timeout=300, history=True)
+    # The run knows its cell as the notebook shows it (IPython 9 counts a cell before it runs).
+    assert kernel.value("jupyter_scale.get_session().runs[-1].execution_count") == kernel.value("len(In) - 1")
     notebook_losses = {(p["rank"], p["step"]): p["loss"] for p in kernel.value("jupyter_scale.history()")}
 
     said = run_job(["bash", "run.sh"], cwd=job)
@@ -96,7 +107,7 @@ def test_the_exported_cell_trains_to_the_weights_the_cell_trains_to(kernel, tmp_
     assert all(abs(script_losses[k] - notebook_losses[k]) < 1e-6 for k in script_losses)
 
     requirements = (job / "requirements.txt").read_text().splitlines()
-    assert f"torch=={torch.__version__}" in requirements
+    assert f"torch=={torch.__version__.split('+')[0]}" in requirements  # the build (+cpu) is the machine's choice
     assert any(line.startswith("jupyter_scale==") or line.startswith("jupyter-scale==") for line in requirements)
 
 
@@ -122,6 +133,91 @@ def test_the_sbatch_job_trains_to_the_same_weights_on_slurm(kernel, tmp_path):
         assert wait_gone(cluster.processes()) == []
     assert "jupyter_scale: finished" in said
     assert_same_weights(job / "output" / "model.pt", kernel)
+
+
+def _pod_template(template):
+    """The pod template as the Kubernetes API's model reads it: nothing it does not know is dropped."""
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    model = api._ApiClient__deserialize(template, "V1PodTemplateSpec")
+    assert api.sanitize_for_serialization(model) == template
+    return model
+
+
+def _in_image(text: str, job: Path) -> str:
+    return text.replace(jobfiles.IMAGE_DIR, str(job))  # the image's job directory is this one
+
+
+def test_the_kubernetes_jobs_run_as_their_operators_start_them_and_train_alike(kernel, tmp_path, ray_cli_cluster):
+    import shlex
+
+    import yaml
+
+    cell = kernel.value("jupyter_scale.get_session().runs[-1].execution_count")  # the README loop's
+    job = tmp_path / "job"
+    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(13)", history=True)
+    kernel.ok(f"%scale export {job} --cell {cell} --nodes 2 --to kubeflow,ray --image registry.example/job:1",
+              history=True)
+    assert {"pytorchjob.yaml", "rayjob.yaml", "Dockerfile"} <= {p.name for p in job.iterdir()}
+    assert not (job / "run.sh").exists()
+    assert "ray[default]==" in (job / "requirements.txt").read_text()
+    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(13)")
+    kernel.ok("%%distribute --workers 2\n" + README_LOOP, timeout=300, history=True)
+
+    # Kubeflow: a Master and a Worker pod, each `torchrun train.py` with what the operator sets.
+    pytorchjob = yaml.safe_load((job / "pytorchjob.yaml").read_text())
+    assert (pytorchjob["apiVersion"], pytorchjob["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert pytorchjob["spec"]["nprocPerNode"] == "1"
+    replicas = pytorchjob["spec"]["pytorchReplicaSpecs"]
+    assert [(role, spec["replicas"]) for role, spec in replicas.items()] == [("Master", 1), ("Worker", 1)]
+    port = _free_port()
+    pods = []
+    for node_rank, role in enumerate(["Master", "Worker"]):
+        (container,) = _pod_template(replicas[role]["template"]).spec.containers
+        assert container.name == "pytorch" and container.image == "registry.example/job:1"
+        operator = {"PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                    "RANK": str(node_rank), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+                    "PET_NNODES": "2", "PET_NODE_RANK": str(node_rank), "PET_NPROC_PER_NODE": "1"}
+        env = dict(os.environ, **{e.name: _in_image(e.value, job) for e in container.env}, **operator)
+        pods.append(subprocess.Popen([_in_image(part, job) for part in container.command],
+                                     cwd=_in_image(container.working_dir, job), env=_with_venv(env),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True))
+    try:
+        for pod in pods:
+            said, _ = pod.communicate(timeout=300)
+            assert pod.returncode == 0, said[-3000:]
+    finally:
+        for pod in pods:
+            if pod.poll() is None:
+                os.killpg(pod.pid, signal.SIGKILL)  # the sessions we started, by pid
+                pod.wait()
+    assert_same_weights(job / "output" / "model.pt", kernel)
+
+    # KubeRay: the entrypoint, as Ray's job supervisor runs it on the head (RAY_ADDRESS set).
+    rayjob = yaml.safe_load((job / "rayjob.yaml").read_text())
+    assert (rayjob["apiVersion"], rayjob["kind"]) == ("ray.io/v1", "RayJob")
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    _pod_template(cluster["headGroupSpec"]["template"])
+    (group,) = cluster["workerGroupSpecs"]
+    assert group["replicas"] == 2 and _pod_template(group["template"]).spec.containers[0].image == "registry.example/job:1"
+    shutil.rmtree(job / "output")
+    gcs, _, token, _ = ray_cli_cluster
+    # The fixture's head is a one-node cluster on loopback (Ray's laptop setting): its drivers say so too.
+    env = dict(os.environ, RAY_ADDRESS=gcs, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token,
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    said = run_job([_in_image(part, job) for part in shlex.split(rayjob["spec"]["entrypoint"])], cwd=tmp_path, env=env)
+    assert "2 ranks on 1 node(s)" in said and "jupyter_scale: finished" in said
+    assert_same_weights(job / "output" / "model.pt", kernel)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 NOTEBOOK = [

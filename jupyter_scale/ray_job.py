@@ -1,0 +1,161 @@
+"""Run an exported train.py on the workers of a Ray cluster, as torchrun would run it.
+
+    python -m jupyter_scale.ray_job --workers 4 /job/train.py [arguments for train.py]
+
+The entrypoint of the KubeRay RayJob that `%scale export` writes; it runs against any Ray
+cluster (the address in RAY_ADDRESS, which Ray's job supervisor sets for an entrypoint, else a
+local Ray). Each rank is an actor in one placement group (its CPUs and GPUs reserved); each
+starts `python train.py` in the script's directory, on its node, with torchrun's variables:
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR and MASTER_PORT at rank 0's
+node, by address (host names need not resolve between pods). Each rank's output is printed
+with its rank. The first rank that fails ends the others, and the job exits with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+STOP_GRACE_S = 10.0
+
+# How a rank runs the script: as `python train.py` would, but ending with its actor (a job
+# stopped, a node lost) rather than outliving it (Linux's parent-death signal; a forked
+# child of the actor's threaded process sets it itself, after exec).
+_RUN_SCRIPT = """
+import runpy, signal, sys
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class _Rank:
+    """One rank: runs the script in a process of its own and answers with its exit status."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._process: subprocess.Popen | None = None
+        self._stopped = threading.Event()
+
+    def where(self) -> tuple[str, str]:
+        """(this node's id, its address)."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def run(self, script: str, arguments: list[str], env: dict[str, str]) -> int:
+        if self._stopped.is_set():
+            return -signal.SIGTERM
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _RUN_SCRIPT, script, *arguments], cwd=os.path.dirname(script) or ".",
+            env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True)
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            print(f"[rank {self.rank}] {line}", end="", flush=True)
+        return self._process.wait()
+
+    def stop(self) -> None:
+        """End the script (its process group): SIGTERM, then SIGKILL after a grace period."""
+        self._stopped.set()
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def torchrun_env(rank: int, nodes: list[str], master: tuple[str, int], threads: int = 1) -> dict[str, str]:
+    """torchrun's variables for `rank`, given each rank's node (in rank order); a thread per
+    CPU the rank holds."""
+    same_node = [r for r, node in enumerate(nodes) if node == nodes[rank]]
+    return {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": str(same_node.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(same_node)), "GROUP_RANK": str(sorted(set(nodes), key=nodes.index).index(
+                nodes[rank])), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+
+
+def run(script: str, arguments: list[str], workers: int, cpus: float, gpus: float, strategy: str,
+        timeout: float) -> int:
+    """Run `script` on `workers` Ray actors; returns the job's exit status."""
+    script = os.path.abspath(script)
+    group = placement_group([{"CPU": cpus, **({"GPU": gpus} if gpus else {})}] * workers, strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if not ready:
+        print(f"jupyter_scale.ray_job: the cluster did not offer {workers} workers of {cpus:g} CPU"
+              f"{f' and {gpus:g} GPU' if gpus else ''} within {timeout:.0f} s", file=sys.stderr)
+        return 1
+    remote: Any = ray.remote(_Rank)
+    ranks = [remote.options(num_cpus=cpus, num_gpus=gpus, max_concurrency=2, max_restarts=0,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote(i)
+             for i in range(workers)]
+    where = ray.get([r.where.remote() for r in ranks])
+    master = (where[0][1], ray.get(ranks[0].free_port.remote()))
+    nodes = [node for node, _ in where]
+    print(f"jupyter_scale.ray_job: {workers} ranks on {len(set(nodes))} node(s), rank 0 at {master[0]}:{master[1]}",
+          flush=True)
+    threads = max(1, int(cpus))
+    runs = {r.run.remote(script, arguments, torchrun_env(i, nodes, master, threads)): i for i, r in enumerate(ranks)}
+    status = 0
+    pending = list(runs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            code = ray.get(done[0])
+        except ray.exceptions.RayError as exc:  # the actor itself died
+            code = 1
+            print(f"jupyter_scale.ray_job: rank {runs[done[0]]} was lost: {exc}", file=sys.stderr, flush=True)
+        if code != 0 and status == 0:
+            status = code if code > 0 else 128 - code
+            print(f"jupyter_scale.ray_job: rank {runs[done[0]]} exited with status {code}; stopping the others",
+                  file=sys.stderr, flush=True)
+            ray.get([r.stop.remote() for r in ranks])
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jupyter_scale.ray_job", description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, required=True, help="ranks in all")
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    parser.add_argument("--strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                        help="how the ranks are placed on the nodes (Ray's placement group strategy)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the workers' resources")
+    parser.add_argument("script")
+    parser.add_argument("arguments", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    ray.init(log_to_driver=True)
+    try:
+        return run(args.script, args.arguments, args.workers, args.cpus_per_worker, args.gpus_per_worker,
+                   args.strategy, args.timeout)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
