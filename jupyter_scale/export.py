@@ -176,9 +176,12 @@ def _is_seeding(node: ast.AST) -> bool:
 @dataclass
 class ScriptPlan:
     body: str
-    imports: dict[str, str] = field(default_factory=dict)  # name -> its import statement
+    imports: dict[str, str] = field(default_factory=dict)  # name -> its import statement (generated)
+    import_statements: dict[int, Statement] = field(default_factory=dict)  # the notebook's own
     literals: dict[str, str] = field(default_factory=dict)  # name -> its repr
     statements: list[Statement] = field(default_factory=list)  # in execution order
+    after_load: list[Statement] = field(default_factory=list)  # definitions that read saved values
+    reads_injected: bool = False  # the notebook's statements read rank, device, ...
     values: dict[str, Any] = field(default_factory=dict)  # saved beside the script
     models: list[str] = field(default_factory=list)  # the notebook's nn.Modules the cell trains
     modules: set[str] = field(default_factory=set)  # top-level modules the script imports
@@ -233,10 +236,16 @@ def _import_statement(name: str, value: Any) -> str:
 
 
 def plan_script(body: str, namespace: dict, statements: list[Statement], *, save_values: bool = True,
-                eligible: Callable[[str], bool] = lambda name: True,
-                workers_own: Iterable[str] = ()) -> ScriptPlan:
+                eligible: Callable[[str], bool] = lambda name: True, workers_own: Iterable[str] = (),
+                injected: Iterable[str] = ()) -> ScriptPlan:
     """Follow the names `body` reads through the notebook (see the module's docstring).
-    Raises ExportError naming the first name that cannot be exported."""
+    Raises ExportError naming the first name that cannot be exported.
+
+    A notebook function or class is its last definition (what the notebook runs now), whose
+    reads are the notebook's values now too. Without saved values, a value is what the
+    statements that made it made: the last statement to bind it before the statement that
+    reads it (`x = (x - x.mean()) / x.std()` reads the x made before it), and the
+    statements that changed it in between."""
     plan = ScriptPlan(body=body)
     binders: dict[str, list[Statement]] = {}
     for statement in statements:
@@ -247,70 +256,136 @@ def plan_script(body: str, namespace: dict, statements: list[Statement], *, save
         n.id for n in ast.walk(ast.parse(body)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     workers_own = set(workers_own) - bound_in_body
     chosen: dict[int, Statement] = {}
-    done: set[str] = set()
+    done: set[tuple[str, int]] = set()
+    end = len(statements)  # reads of the cell (or of code run later): every statement before them
 
-    def definition(name: str, what: str) -> None:
-        found = binders.get(name)
+    def take(statement: Statement, name: str, what: str, reads_now: bool = False) -> None:
+        if statement.ipython:
+            raise ExportError(f"cannot export: {name} ({what}) is made with IPython syntax in "
+                              f"{_cell_name(statement.cell)} ({statement.first_line()}), which a script cannot run")
+        chosen[statement.index] = statement
+        pending.extend((read, end if reads_now else statement.index) for read in statement.reads)
+
+    def definition(name: str, what: str, before: int, reads_now: bool = False) -> None:
+        found = [s for s in binders.get(name, []) if s.index < before]
         if not found:
             raise ExportError(f"cannot export: {name} ({what}) is not defined by any executed cell of this notebook "
-                              "(made by %run, exec or an extension?); define it in a cell, or import it from a module")
+                              "(made by %run, exec, an extension, or inside a cell magic such as %%time?); "
+                              "define it in a cell of its own, or import it from a module")
         last = found[-1]
-        if last.ipython:
-            raise ExportError(f"cannot export: {name} is made with IPython syntax in {_cell_name(last.cell)} "
-                              f"({last.first_line()}), which a script cannot run")
-        later = [s for s in statements if s.index > last.index and name in s.changes and not s.ipython]
-        for statement in [last, *later]:
-            chosen[statement.index] = statement
-            pending.extend(r for r in statement.reads if r not in done)
+        take(last, name, what, reads_now)
+        for later in statements[last.index + 1:before]:  # what changed it since (Net.forward = forward)
+            if name in later.changes and not later.ipython:
+                take(later, name, what, reads_now)
 
-    pending = list(free_names(body))
+    pending: list[tuple[str, int]] = [(name, end) for name in free_names(body)]
     while True:
         while pending:
-            name = pending.pop(0)
-            if name in done:
-                continue
-            done.add(name)
+            name, before = pending.pop(0)
             if name not in namespace or not eligible(name):
-                if name in workers_own and not hasattr(builtins, name):
+                if name in workers_own and before == end and not hasattr(builtins, name):
                     raise ExportError(f"cannot export: {name} exists only on the workers (bound by an earlier "
                                       "%%distribute cell); export that code with this cell, or define it in the notebook")
+                if name in injected and before < end:
+                    plan.reads_injected = True
                 continue
             value = namespace[name]
+            code = _is_notebook_code(value)
+            imported = isinstance(value, types.ModuleType) or _importable_as(value) is not None
+            if not (save_values or code or imported) and binders.get(name):
+                # Made by the notebook's statements, as it was when read.
+                if (name, before) in done:
+                    continue
+                done.add((name, before))
+                definition(name, type(value).__name__, before)
+                if before == end and isinstance(value, torch.nn.Module):
+                    plan.models.append(name)
+                continue
+            if (name, end) in done:
+                continue
+            done.add((name, end))
             if isinstance(value, torch.nn.Module):
                 plan.models.append(name)
-            imported = binders.get(name, [None])[-1]
-            if isinstance(value, types.ModuleType) or _importable_as(value) is not None:
-                if imported is not None and isinstance(ast.parse(imported.source).body[0], (ast.Import, ast.ImportFrom)):
-                    chosen[imported.index] = imported  # the notebook's own import line
+            if imported:
+                last = binders.get(name, [None])[-1]
+                if last is not None and isinstance(ast.parse(last.source).body[0], (ast.Import, ast.ImportFrom)):
+                    plan.import_statements[last.index] = last  # the notebook's own import line
                 else:
                     plan.imports[name] = _import_statement(name, value)
                 top = value.__name__ if isinstance(value, types.ModuleType) else value.__module__
                 plan.modules.add(top.split(".")[0])
-            elif _is_notebook_code(value):
-                definition(name, f"a {'class' if isinstance(value, type) else 'function'} of the notebook")
+            elif code:  # what the notebook runs now, reading the notebook's values when it runs: now
+                definition(name, f"a {'class' if isinstance(value, type) else 'function'} of the notebook", end,
+                           reads_now=True)
             elif (text := _literal(value)) is not None:
                 plan.literals[name] = text
             elif save_values:
                 plan.values[name] = value
             else:
-                definition(name, type(value).__name__)
+                definition(name, type(value).__name__, end)
         # The notebook classes and functions the saved values are made of: loading needs them.
         refs, modules = pickled_references(plan.values)
         plan.modules |= modules
-        pending = sorted(refs - done)
+        pending = [(name, end) for name in sorted(refs) if (name, end) not in done]
+        if not save_values:  # the seeding calls before the code that makes the values
+            latest = max(chosen, default=-1)
+            for seeding in statements[:latest]:
+                if seeding.seeds and not seeding.ipython and seeding.index not in chosen:
+                    take(seeding, "a seed", "seeding")
         if not pending:
             break
-    if not save_values:  # the seeding calls before the code that makes the values
-        last = max(chosen, default=-1)
-        chosen.update({s.index: s for s in statements if s.seeds and s.index < last and not s.ipython})
-    plan.statements = [chosen[i] for i in sorted(chosen)]
-    for statement in plan.statements:
+    # Imports first, whichever cell ran them last: a class whose base a later cell imported again.
+    for index in [i for i, s in chosen.items() if _is_import(s)]:
+        plan.import_statements[index] = chosen.pop(index)
+    for index in sorted(chosen):
+        statement = chosen[index]
+        # A definition that reads a saved value as it runs (a default argument, a class body)
+        # comes after the values are loaded, unless loading them needs it.
+        if set(_definition_reads(statement.source)) & plan.values.keys():
+            if statement.binds & refs:
+                raise ExportError(f"cannot export: {sorted(statement.binds & refs)[0]} reads the saved value(s) "
+                                  f"{sorted(set(_definition_reads(statement.source)) & plan.values.keys())} as it is "
+                                  "defined, and those values need it to load; define it without them")
+            plan.after_load.append(statement)
+        else:
+            plan.statements.append(statement)
+    for statement in [*plan.import_statements.values(), *plan.statements, *plan.after_load]:
+        if set(statement.reads) & set(injected):
+            plan.reads_injected = True
         for node in ast.walk(ast.parse(statement.source)):
             if isinstance(node, ast.Import):
                 plan.modules |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 plan.modules.add(node.module.split(".")[0])
+    plan.import_statements = dict(sorted(plan.import_statements.items()))
     return plan
+
+
+def _is_import(statement: Statement) -> bool:
+    return isinstance(ast.parse(statement.source).body[0], (ast.Import, ast.ImportFrom))
+
+
+def _definition_reads(source: str) -> list[str]:
+    """The names a statement reads as it runs: not those inside the functions it defines
+    (their bodies run later), but their defaults, decorators and annotations, and a class
+    body's."""
+    reads = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args
+            for default in [*arguments.defaults, *(d for d in arguments.kw_defaults if d is not None)]:
+                visit(default)
+            for decorator in getattr(node, "decorator_list", []):
+                visit(decorator)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            reads.append(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return reads
 
 
 # --------------------------------------------------------------------------------------
@@ -468,36 +543,47 @@ def _cell_name(number: int | None) -> str:
 
 
 def script_text(plan: ScriptPlan, *, seed: int, automatic: bool, cell: int | None, title: str) -> str:
-    """train.py: imports, literals, the notebook's code, then the cell under `script.start`."""
+    """train.py: imports, literals, the job's start, the notebook's code, the saved values,
+    then the cell with the names a %%distribute cell sees."""
     where = f"In [{cell}]" if cell else "a %%distribute cell"
     parts = [f'"""{title}\n\nExported by jupyter_scale from {where}: README.md says how to run it (torchrun,\n'
              "Slurm, Kubeflow, KubeRay). Without torchrun it runs as one process, as the cell runs\n"
              "without %%distribute.\n"
              '"""\n',
              "import jupyter_scale.script\n"]
-    if plan.imports:
-        parts.append("".join(line + "\n" for line in plan.imports.values()))
+    imports = [s.source for s in plan.import_statements.values()] + [line + "\n" for line in plan.imports.values()]
+    if imports:
+        parts.append("".join(imports))
     if plan.literals:
         parts.append("# The notebook's values, as they were at export\n" +
                      "".join(f"{name} = {text}\n" for name, text in plan.literals.items()))
-    cell_of = None
-    for statement in plan.statements:
-        if statement.cell_index != cell_of:
-            cell_of = statement.cell_index
-            parts.append(f"# {_cell_name(statement.cell)}\n")
-        parts[-1] += statement.source
     options = f"seed={seed}" + ("" if automatic else ", automatic=False")
-    mode = ("automatic mode (the same seed on every rank, DataLoaders sharded,\n# gradients averaged at each optimizer "
+    mode = ("automatic mode (the same seed on every rank,\n# DataLoaders sharded, gradients averaged at each optimizer "
             "step)" if automatic else "no automatic mode (--manual)")
-    start = (f"# The cell ({where}) runs as under %%distribute: the process group from torchrun's\n"
-             f"# variables and {mode}.\n"
-             f"_job = jupyter_scale.script.start({options})\n"
-             "rank, world_size, local_rank, device, report = _job.names()\n")
-    if plan.values:
-        start += ('_saved = _job.load("values.pt")  # the notebook\'s values, saved at export\n' +
-                  "".join(f'{name} = _saved["{name}"]\n' for name in plan.values))
+    start = (f"# As under %%distribute: the process group from torchrun's variables and {mode}.\n"
+             f"_job = jupyter_scale.script.start({options})\n")
+    if plan.reads_injected:
+        start += "rank, world_size, local_rank, device, report = _job.names()\n"
     parts.append(start)
-    parts.append(plan.body.rstrip() + "\n")
+    parts += _by_cell(plan.statements)
+    if plan.values:
+        parts.append('_saved = _job.load("values.pt")  # the notebook\'s values, saved at export\n' +
+                     "".join(f'{name} = _saved["{name}"]\n' for name in plan.values))
+    parts += _by_cell(plan.after_load)
+    parts.append(f"# The cell ({where}): every rank seeded alike, and the names a %%distribute cell sees.\n"
+                 "rank, world_size, local_rank, device, report = _job.cell()\n\n" + plan.body.strip("\n") + "\n")
     models = ", ".join(f"{name}={name}" for name in plan.models)
     parts.append(f"_job.finish({models})  # rank 0 saves the models' weights in output/\n")
     return "\n".join(parts)
+
+
+def _by_cell(statements: list[Statement]) -> list[str]:
+    """The statements, a block per notebook cell, each under its cell's name."""
+    blocks: list[str] = []
+    cell_of = None
+    for statement in statements:
+        if statement.cell_index != cell_of:
+            cell_of = statement.cell_index
+            blocks.append(f"# {_cell_name(statement.cell)}\n")
+        blocks[-1] += statement.source
+    return blocks

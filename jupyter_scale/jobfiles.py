@@ -100,7 +100,8 @@ export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cpus / NPROC > 0 ? cpus / NPROC :
 export NPROC
 # Each node's torchrun says itself whether it hosts the rendezvous (the first node does):
 # torchrun's own guess compares host names, which need not resolve.
-srun --kill-on-bad-exit=1 bash -c 'exec torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC" \\
+srun --kill-on-bad-exit=1 --cpus-per-task="$cpus" \\
+    bash -c 'exec torchrun --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC" \\
     --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \\
     --rdzv-conf=is_host=$([ "$SLURM_NODEID" = 0 ] && echo true || echo false) train.py "$@"' torchrun "$@"
 """
@@ -209,7 +210,7 @@ def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str
     sections = [f"# {shape.name}: a training job exported by jupyter_scale\n\n"
                 f"`train.py` is {where} of the notebook with the notebook code it needs, run as `%%distribute` runs\n"
                 f"it: {shape.workers} processes ({shape.nodes} node{'s' if shape.nodes > 1 else ''} of {shape.per_node}), "
-                "one process group, automatic mode with the seed the cell would have had. Rank 0 saves the\n"
+                "one process group, automatic mode with the seed the cell ran (or would run) with. Rank 0 saves the\n"
                 "trained models' weights as `output/NAME.pt` (state dicts: `model.load_state_dict(torch.load(...))`),\n"
                 "and every rank writes what it reports as JSON lines, `output/metrics-rankN.jsonl`\n"
                 "(`JUPYTER_SCALE_OUTPUT` moves `output/`).\n"]
@@ -261,6 +262,10 @@ def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, auto
     if unknown:
         raise ExportError(f"cannot export: unknown target {unknown[0]!r} (targets: {', '.join(TARGETS)})")
     local = export.local_modules(plan.modules, root or Path.cwd())
+    clash = sorted(name for name, path in local.items() if path.stem in {"train", "README", "requirements", "values"})
+    if clash:
+        raise ExportError(f"cannot export: the notebook's module {clash[0]!r} would overwrite the job's own file "
+                          f"({local[clash[0]].name}); rename the module")
     directory.mkdir(parents=True, exist_ok=True)
     where = f"In [{cell}]" if cell else "a %%distribute cell"
     files: dict[str, str] = {
@@ -284,6 +289,8 @@ def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, auto
     sizes = {}
     if plan.values:
         sizes = export.save_values(plan.values, directory / "values.pt")
+    elif (directory / "values.pt").exists():  # an earlier export's: this script loads none
+        (directory / "values.pt").unlink()
     shown = {name: export.human_size(n) for name, n in sizes.items()}
     files["README.md"] = readme(shape, list(files), shown, where)
     for name, text in files.items():

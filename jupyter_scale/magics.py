@@ -241,6 +241,9 @@ class ScaleMagics(Magics):
     @argument("--nodes", type=_positive_int_named("--nodes"), default=1,
               help="machines (Slurm nodes, Kubernetes pods) to spread them over (default 1)")
     @argument("--image", default=None, help="the Kubernetes manifests' container image (default: NAME:latest)")
+    @argument("--gpus-per-node", type=_positive_int_named("--gpus-per-node"), default=None,
+              help="GPUs each node (Slurm node, pod) asks for (default: the cell's --gpus-per-worker "
+                   "times the processes per node, else none)")
     def _export_arguments(self, line: str):
         """%scale export DIR: a %%distribute cell as a job directory."""
 
@@ -250,9 +253,13 @@ class ScaleMagics(Magics):
         cell = _parse(self.distribute, options) if options is not None else None
         if cell is not None and cell.shard:
             raise UsageError("cannot export a --shard cell yet: its script would train unsharded")
+        workers = args.workers or (cell.workers if cell else None)
+        gpus = args.gpus_per_node
+        if gpus is None and cell is not None and cell.gpus_per_worker:
+            gpus = cell.gpus_per_worker * ((workers or self.session.size or self.session.default_workers) // args.nodes)
         self._report_export(self.session.export(
             args.directory, code=body, cell=number, targets=args.to, save_values=not args.no_values,
-            workers=args.workers or (cell.workers if cell else None), nodes=args.nodes, image=args.image,
+            workers=workers, nodes=args.nodes, image=args.image, gpus_per_node=gpus or 0,
             manual=bool(cell and cell.manual)))
 
     @staticmethod

@@ -48,6 +48,7 @@ class _Rank:
         self.rank = rank
         self._process: subprocess.Popen | None = None
         self._stopped = threading.Event()
+        self._lock = threading.Lock()
 
     def where(self) -> tuple[str, str]:
         """(this node's id, its address)."""
@@ -59,12 +60,13 @@ class _Rank:
             return s.getsockname()[1]
 
     def run(self, script: str, arguments: list[str], env: dict[str, str]) -> int:
-        if self._stopped.is_set():
-            return -signal.SIGTERM
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _RUN_SCRIPT, script, *arguments], cwd=os.path.dirname(script) or ".",
-            env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True)
+        with self._lock:  # stop() either comes first, or sees the process
+            if self._stopped.is_set():
+                return -signal.SIGTERM
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _RUN_SCRIPT, script, *arguments], cwd=os.path.dirname(script) or ".",
+                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         assert self._process.stdout is not None
         for line in self._process.stdout:
             print(f"[rank {self.rank}] {line}", end="", flush=True)
@@ -72,8 +74,9 @@ class _Rank:
 
     def stop(self) -> None:
         """End the script (its process group): SIGTERM, then SIGKILL after a grace period."""
-        self._stopped.set()
-        process = self._process
+        with self._lock:
+            self._stopped.set()
+            process = self._process
         if process is None or process.poll() is not None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -132,7 +135,11 @@ def run(script: str, arguments: list[str], workers: int, cpus: float, gpus: floa
             status = code if code > 0 else 128 - code
             print(f"jupyter_scale.ray_job: rank {runs[done[0]]} exited with status {code}; stopping the others",
                   file=sys.stderr, flush=True)
-            ray.get([r.stop.remote() for r in ranks])
+            for stopped in [r.stop.remote() for r in ranks]:
+                try:
+                    ray.get(stopped)
+                except ray.exceptions.RayError:  # that rank's actor is gone already
+                    pass
     return status
 
 

@@ -40,6 +40,7 @@ class RunRecord:
     index: int
     workers: int
     execution_count: int | None = None  # the notebook's In [n] of the cell, when there is one
+    seed: int | None = None  # automatic mode's seed, drawn from the notebook's RNG
     shipped: dict[str, int] = field(default_factory=dict)  # name -> bytes sent
     skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
     pulled: list[str] = field(default_factory=list)

@@ -1,8 +1,9 @@
 """A %%distribute cell's semantics in a plain script, for the jobs `%scale export` writes.
 
     job = jupyter_scale.script.start(seed=1234)    # the process group from torchrun's variables
-    rank, world_size, local_rank, device, report = job.names()
+    ...                                             # the notebook's code the cell needs
     values = job.load("values.pt")                  # the notebook's values, saved at export
+    rank, world_size, local_rank, device, report = job.cell()
     ...                                             # the cell's code, unchanged
     job.finish(model=model)                         # rank 0 saves the models' weights
 
@@ -82,14 +83,23 @@ class Job:
             if backend == "nccl":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend)
-            _init_process_group_once()
         self._sink = _JsonLines(output / f"metrics-rank{self.rank}.jsonl", echo=self.rank == 0)
         self._recorder = Recorder(rank=self.rank, sink=self._sink)  # type: ignore[arg-type]
-        # As %%distribute: automatic mode where there is more than one rank.
+        # As %%distribute: automatic mode where there is more than one rank. Entered (and every
+        # rank seeded) before the notebook's code runs: what it makes is made alike on every
+        # rank, and a DataLoader it builds is sharded as one built in the cell.
+        self.seed = seed
         self._mode = training.AutoMode(seed) if automatic and self.world_size > 1 else None
         if self._mode is not None:
             self._mode.__enter__()
         self.started = time.time()
+
+    def cell(self) -> tuple[int, int, int, torch.device, Any]:
+        """The cell begins: the seed again (as %%distribute seeds right before the cell), and
+        the names it sees: rank, world_size, local_rank, device, report."""
+        if self._mode is not None:
+            training.seed_everything(self.seed)
+        return self.names()
 
     def names(self) -> tuple[int, int, int, torch.device, Any]:
         """rank, world_size, local_rank, device, report: the names a cell sees."""
@@ -101,7 +111,13 @@ class Job:
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """The notebook's values saved at export (`path`: beside the script unless absolute),
         by name. A DataLoader among them is sharded as one sent to %%distribute's workers."""
-        values = torch.load(self.directory / path, map_location="cpu", weights_only=False)
+        # GPU tensors go to this rank's GPU, as the workers receive them; CPU ones stay.
+        def place(storage, location: str):
+            if not location.startswith("cuda"):
+                return storage
+            return storage.cuda(self.device.index) if self.device.type == "cuda" else storage.cpu()
+
+        values = torch.load(self.directory / path, weights_only=False, map_location=place)
         if self._mode is not None:
             values = {name: self._mode.shard_shipped(value) for name, value in values.items()}
         return values
@@ -152,3 +168,6 @@ def _init_process_group_once() -> None:
     init_process_group._jupyter_scale = True  # type: ignore[attr-defined]
     dist.init_process_group = init_process_group
     dist.distributed_c10d.init_process_group = init_process_group
+
+
+_init_process_group_once()  # before the script imports init_process_group by name

@@ -519,8 +519,7 @@ class ScaleSession(LoggingConfigurable):
         plan = self.shipper.plan({n: self.namespace[n] for n in names})
         names = list(plan.values)
         self.ensure(workers, launcher, launcher_options)
-        record = RunRecord(index=len(self.runs) + 1, workers=self.size,
-                           execution_count=number)
+        record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=_draw_seed())
         self.runs.append(record)
         shipment = self.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
@@ -552,7 +551,7 @@ class ScaleSession(LoggingConfigurable):
             "resync": self._resync,
             # Rank 0 sends the pull-back through a file of its own there.
             "pull_through": self.shared_memory_keep if self.shared_memory else None,
-            "seed": _draw_seed(),
+            "seed": record.seed,
         }
         view = RunView(self, record, steps)
         self._notify("run_started", record, steps)
@@ -587,7 +586,7 @@ class ScaleSession(LoggingConfigurable):
 
     def export(self, directory: str | os.PathLike, *, code: str | None = None, cell: int | None = None,
                targets: Sequence[str] = jobfiles.TARGETS, save_values: bool = True, workers: int | None = None,
-               nodes: int = 1, image: str | None = None, manual: bool = False) -> dict:
+               nodes: int = 1, image: str | None = None, gpus_per_node: int = 0, manual: bool = False) -> dict:
         """Write a %%distribute cell as a job directory (train.py, its values, run.sh,
         job.sbatch, Kubeflow and KubeRay manifests; see jupyter_scale.export and jobfiles).
 
@@ -610,12 +609,22 @@ class ScaleSession(LoggingConfigurable):
             export.check_script_syntax(code, self._transform)
             statements = export.notebook_statements(cells, self._transform)
             plan = export.plan_script(code, self.namespace, statements, save_values=save_values,
-                                      eligible=self._shippable, workers_own=self.shipper.workers_own())
+                                      eligible=self._shippable, workers_own=self.shipper.workers_own(),
+                                      injected=worker.INJECTED_NAMES)
         except SyntaxError as exc:
             raise export.ExportError(f"cannot export: the cell is not valid Python: {exc}") from None
         name = jobfiles.job_name(os.path.basename(os.path.abspath(directory)))
-        shape = jobfiles.JobShape(name=name, per_node=workers // nodes, nodes=nodes, image=image or f"{name}:latest")
-        return jobfiles.write(Path(directory), plan, shape, seed=_draw_seed(), automatic=not manual, cell=cell,
+        shape = jobfiles.JobShape(name=name, per_node=workers // nodes, nodes=nodes, image=image or f"{name}:latest",
+                                  gpus_per_node=gpus_per_node)
+        # The seed the cell drew when it ran, else the one it would draw now: the notebook's RNG
+        # is left as it was, so that the cell run after its export draws the export's seed.
+        ran = [r for r in self.runs if cell is not None and r.execution_count == cell]
+        if ran and ran[-1].seed is not None:
+            seed = ran[-1].seed
+        else:
+            with torch.random.fork_rng(devices=[]):
+                seed = _draw_seed()
+        return jobfiles.write(Path(directory), plan, shape, seed=seed, automatic=not manual, cell=cell,
                               targets=tuple(targets))
 
     def _executed_cells(self) -> list[tuple[int | None, str]]:

@@ -116,10 +116,11 @@ def test_the_sbatch_job_trains_to_the_same_weights_on_slurm(kernel, tmp_path):
     if reason:
         pytest.skip(reason)
     job = tmp_path / "job"
-    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(11)", history=True)
-    kernel.ok(f"%scale export {job} --to slurm", history=True)  # the last %%distribute cell
+    kernel.ok("model.load_state_dict(before)", history=True)
+    # The last %%distribute cell, with the seed it ran with (drawn after torch.manual_seed(7)).
+    kernel.ok(f"%scale export {job} --to slurm", history=True)
     assert not (job / "run.sh").exists() and (job / "job.sbatch").exists()
-    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(11)")
+    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(7)")
     kernel.ok("%%distribute --workers 2\n" + README_LOOP, timeout=300, history=True)
     with slurm.Slurm(cpus=4) as cluster:
         env = dict(cluster.env, PATH=VENV_BIN + os.pathsep + os.environ["PATH"])
@@ -156,13 +157,13 @@ def test_the_kubernetes_jobs_run_as_their_operators_start_them_and_train_alike(k
 
     cell = kernel.value("jupyter_scale.get_session().runs[-1].execution_count")  # the README loop's
     job = tmp_path / "job"
-    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(13)", history=True)
+    kernel.ok("model.load_state_dict(before)", history=True)
     kernel.ok(f"%scale export {job} --cell {cell} --nodes 2 --to kubeflow,ray --image registry.example/job:1",
-              history=True)
+              history=True)  # with the seed In [cell] ran with (drawn after torch.manual_seed(7))
     assert {"pytorchjob.yaml", "rayjob.yaml", "Dockerfile"} <= {p.name for p in job.iterdir()}
     assert not (job / "run.sh").exists()
     assert "ray[default]==" in (job / "requirements.txt").read_text()
-    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(13)")
+    kernel.ok("model.load_state_dict(before)\ntorch.manual_seed(7)")
     kernel.ok("%%distribute --workers 2\n" + README_LOOP, timeout=300, history=True)
 
     # Kubeflow: a Master and a Worker pod, each `torchrun train.py` with what the operator sets.
@@ -319,7 +320,51 @@ def test_a_definition_made_by_ipython_syntax_or_missing_is_refused():
         pass
 
     made.__module__ = "__main__"
-    with pytest.raises(export.ExportError, match=r"made is made with IPython syntax in In \[1\]"):
+    with pytest.raises(export.ExportError, match=r"made \(a function of the notebook\) is made with IPython syntax "
+                                                 r"in In \[1\]"):
         _plan(["made = get_ipython().user_ns['x']"], "made()", {"made": made})
     with pytest.raises(export.ExportError, match="made .a function of the notebook. is not defined by any executed"):
         _plan([], "made()", {"made": made})
+
+
+def _run_exported(tmp_path, cells, body, save_values=False):
+    """Export `body` from `cells` (run here as a notebook would) and run train.py as one process."""
+    namespace = {"__name__": "__main__"}
+    for cell in cells:
+        exec(cell, namespace)
+    statements = export.notebook_statements(list(enumerate(cells, 1)), lambda code: code)
+    plan = export.plan_script(body, namespace, statements, save_values=save_values,
+                              eligible=lambda name: not name.startswith("__"))
+    job = tmp_path / "job"
+    jobfiles.write(job, plan, jobfiles.JobShape("job", 1), seed=0, automatic=True, cell=None, targets=("torchrun",))
+    done = subprocess.run([sys.executable, "train.py"], cwd=job, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (job / "train.py").read_text() + done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-2], (job / "train.py").read_text()  # before finish's line
+
+
+def test_imports_come_first_whichever_cell_ran_them_last(tmp_path):
+    cells = ["import torch\nfrom torch import nn", "class Net(nn.Module):\n    pass", "import torch\nfrom torch import nn",
+             "net = Net()"]
+    said, _ = _run_exported(tmp_path, cells, "print(type(net).__name__)")
+    assert said == "Net"
+
+
+def test_without_values_a_value_is_what_the_statements_before_its_reader_made(tmp_path):
+    cells = ["import torch", "n = 5", "x = torch.zeros(n)", "x = x + 1", "n = 10"]
+    said, train = _run_exported(tmp_path, cells, "print(x.shape[0], n, x.sum().item())")
+    assert said == "5 10 5.0"
+    assert train.index("n = 5") < train.index("torch.zeros(n)") < train.index("x = x + 1") < train.index("n = 10")
+
+
+def test_without_values_the_seeding_before_them_comes_with_what_it_reads(tmp_path):
+    import numpy as np
+
+    cells = ["import numpy as np", "np.random.seed(3)", "a = np.random.rand(3)"]
+    said, _ = _run_exported(tmp_path, cells, "print(round(float(a.sum()), 6))")
+    assert said == str(round(float(np.random.RandomState(3).rand(3).sum()), 6))
+
+
+def test_a_definition_that_reads_a_saved_value_as_it_is_made_comes_after_the_values(tmp_path):
+    cells = ["import torch", "val = torch.arange(4.)", "def total(x=val):\n    return x.sum()"]
+    said, train = _run_exported(tmp_path, cells, "print(total().item())", save_values=True)
+    assert said == "6.0" and train.index('_job.load("values.pt")') < train.index("def total")
