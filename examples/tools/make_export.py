@@ -14,6 +14,17 @@ def ignore(source):
     return nbf.v4.new_code_cell(source, metadata={"tags": ["nbval-ignore-output"]})
 
 
+# The training cell, exported first, then run.
+TRAIN = """loader = DataLoader(data, batch_size=64, shuffle=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for epoch in range(2):
+    for xb, yb in loader:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        report(loss=loss)"""
+
 nb.cells = [
 md("""# From the notebook to a job: `%scale export`
 
@@ -56,16 +67,7 @@ code("""import os, tempfile
 torch.manual_seed(1)           # the export draws automatic mode's seed from here
 where = tempfile.mkdtemp()     # a directory of our own for the job
 job = os.path.join(where, "job")"""),
-ignore("""%%distribute --workers 2 --export {job}
-loader = DataLoader(data, batch_size=64, shuffle=True)
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-for epoch in range(2):
-    for xb, yb in loader:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(xb), yb)
-        loss.backward()
-        opt.step()
-        report(loss=loss)"""),
+ignore("%%distribute --workers 2 --export {job}\n" + TRAIN),
 code("""print(sorted(os.listdir(job)))"""),
 md("""`train.py` holds the imports, the literal `HIDDEN`, the class `Net` (from the cell that
 defined it), the loading of `data` and `model` (saved, with the model's current weights), and
@@ -76,16 +78,7 @@ md("## The same cell, with `%%distribute`, from the same state"),
 code("""model.load_state_dict(start)
 torch.manual_seed(1)
 print("the model and the notebook's RNG are back where the export found them")"""),
-ignore("""%%distribute --workers 2
-loader = DataLoader(data, batch_size=64, shuffle=True)
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-for epoch in range(2):
-    for xb, yb in loader:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(xb), yb)
-        loss.backward()
-        opt.step()
-        report(loss=loss)"""),
+ignore("%%distribute --workers 2\n" + TRAIN),
 md("""## The job, with torchrun
 
 `run.sh` is what you would run on a machine with the requirements installed; here it uses the
