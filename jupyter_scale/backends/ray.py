@@ -392,9 +392,11 @@ class RayBackend(Backend):
                     break
                 except ConnectionAbortedError as exc:
                     # Ray Client's head starts a server process per client, which now and then
-                    # exits as it starts ("Starting Ray client server failed"): a second client
-                    # gets another.
-                    if attempt == 2 or "client server failed" not in str(exc):
+                    # exits as it starts ("Starting Ray client server failed", or an
+                    # "Initialization failure from server" when the head finds it a zombie): a
+                    # second client gets another.
+                    if attempt == 2 or not any(said in str(exc) for said in (
+                            "client server failed", "Initialization failure from server")):
                         raise
                     log.info("Ray Client's server did not start; connecting again", exc_info=True)
         self._address = address
