@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from . import rendezvous
 
 STOP_GRACE_S = 10.0
 
@@ -55,9 +56,8 @@ class _Rank:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        """A free port at this node's address, for rank 0's store."""
+        return rendezvous.free_port(ray.util.get_node_ip_address())
 
     def run(self, script: str, arguments: list[str], env: dict[str, str]) -> int:
         with self._lock:  # stop() either comes first, or sees the process
