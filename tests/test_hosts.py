@@ -304,30 +304,46 @@ def test_link_down_takes_a_host_off_the_network(two):
 
 def test_close_stops_everything_and_removes_everything():
     h = Hosts(2)
-    # a process, one with a child, and an orphan (whose parent has gone): all of them must stop
-    sleep = h[0].popen(["sleep", "600"])
-    h[1].popen(["sh", "-c", "sleep 600 & (sleep 600 &); exec sleep 601"])
-    deadline = time.monotonic() + 10
-    while len(h[1].processes()) < 3:
-        assert time.monotonic() < deadline, h[1].processes()
-        time.sleep(0.05)
-    procs = [p for host in h for p in host.processes()]
-    assert len(procs) == 4
-    assert psutil.Process(sleep.pid).name() == "sleep"  # the pid popen() gives is the program's own
-    assert h[1].init.pid in {p.ppid() for p in procs}  # the orphan: the host's init adopted it
-    procs += [host.init for host in h]
+    try:
+        # a process, one with a child, and an orphan (whose parent has gone): all of them must stop
+        sleep = h[0].popen(["sleep", "600"])
+        h[1].popen(["sh", "-c", "sleep 600 & (sleep 600 &); exec sleep 601"])
+        # until the shell has exec'd and its subshell has gone: before that, the count passes 3 on the way
+        deadline = time.monotonic() + 10
+        while (names := _names(h[1].processes())) != ["sleep"] * 3:
+            assert time.monotonic() < deadline, names
+            time.sleep(0.05)
+        procs = [p for host in h for p in host.processes()]
+        assert len(procs) == 4
+        assert psutil.Process(sleep.pid).name() == "sleep"  # the pid popen() gives is the program's own
+        assert h[1].init.pid in {p.ppid() for p in procs}  # the orphan: the host's init adopted it
+        procs += [host.init for host in h]
+    except BaseException:
+        h.close()  # a failed assertion must not leave the bridge to the tests after this one
+        raise
     h.close()
     h.close()  # idempotent
     _assert_gone(h, procs)
 
 
+def _names(procs: list[psutil.Process]) -> list[str]:
+    names = []
+    for p in procs:
+        try:
+            names.append(p.name())
+        except psutil.Error:  # gone between the listing and now
+            pass
+    return names
+
+
 def test_a_crashed_runs_leftovers_are_removed():
     code = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); import hosts;"
-            "h = hosts.Hosts(2); h[1].popen(['sleep', '600']); print(h.owner, flush=True); time.sleep(600)")
+            "h = hosts.Hosts(2, wait=60); h[1].popen(['sleep', '600']); print(h.owner, flush=True); time.sleep(600)")
     crashed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
-        owner = crashed.stdout.readline().strip()
+        owner = crashed.stdout.readline().strip()  # within 60 s: it waits that long for other hosts at most
+        assert owner, "the child made no hosts"
         netns = sorted(n for n in _netns() if n.startswith(f"jscale-{owner}-"))
         assert len(netns) == 2, _netns()
         deadline = time.monotonic() + 10
