@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import jobfiles, launchers, training
+from . import frameworks, jobfiles, launchers, training
 from .backends import available_backends, find_connection
 from .session import ScaleSession
 
@@ -149,6 +149,9 @@ class ScaleMagics(Magics):
                    "with jupyter_scale.save_checkpoint instead)")
     @argument("--cpu-offload", action="store_true",
               help="with --shard: keep the shards in CPU memory between uses (FSDP2's CPUOffloadPolicy; GPUs only)")
+    @argument("--framework", choices=list(frameworks.FRAMEWORKS), default=None,
+              help="whose process group the cell uses: torch (automatic mode), or tensorflow or paddle, set up as "
+                   "their launchers do (TF_CONFIG, PADDLE_*); default: the one the cell uses")
     @argument("--export", default=None, metavar="DIR",
               help="do not run the cell: write it, with the notebook code and values it needs, as a job "
                    "directory (train.py for torchrun, job.sbatch, Kubeflow and KubeRay manifests); see %%scale export")
@@ -214,7 +217,8 @@ class ScaleMagics(Magics):
         self._check_launch(launcher, options)
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
                          steps=args.steps, launcher=launcher, launcher_options=options,
-                         shard=(shard or True) if args.shard else False, keep_sharded=args.keep_sharded)
+                         shard=(shard or True) if args.shard else False, keep_sharded=args.keep_sharded,
+                         framework=args.framework)
 
     def _check_launch(self, launcher: str | None, options: dict) -> None:
         """Launcher options describe a new cluster: with one running, they must be its own."""

@@ -34,6 +34,7 @@ class Layout(TypedDict):
     local_rank: int
     local_world_size: int
     group_rank: int  # the host's index, as torchrun's GROUP_RANK
+    nodes: int  # how many hosts the ranks are on
     master_addr: str
     master_port: int
     store: dict  # {"file": path} or {"addr", "port", "prefix"} (see rendezvous)
@@ -65,6 +66,7 @@ class CellRequest(_CellRequired, total=False):
     resync: bool  # the last cell failed: equalize the models first
     pull_through: int | None  # rank 0 sends the pull-back through shared memory, keeping this much
     seed: int
+    framework: str  # whose process group the cell uses (frameworks.FRAMEWORKS)
     shared_frames: dict | None  # where the big frames are in the kernel's shared memory
 
 

@@ -52,6 +52,10 @@ class Puller:
                 if kind == "sharded":
                     self._sharded(names[0], count)
                     values = {}
+                elif kind in ("tensorflow_weights", "paddle_weights"):
+                    value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
+                    set_weights(self.namespace[names[0]], value)
+                    values = {}
                 elif kind == "state_dict":
                     # Copied into the notebook's model at once: no copy before.
                     value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
@@ -139,6 +143,20 @@ def check_state_dict(module: torch.nn.Module, state: dict) -> None:
             got = f"{tuple(theirs.shape)} {theirs.dtype}" if isinstance(theirs, torch.Tensor) else type(theirs).__name__
             raise ValueError(f"{key!r} is {got} on the workers, {tuple(tensor.shape)} {tensor.dtype} here; "
                              "the notebook's model is unchanged")
+
+
+def set_weights(model, weights: list | dict) -> None:
+    """A Keras model's (a list) or a Paddle Layer's (a state dict) weights from rank 0,
+    checked whole before any is written, as check_state_dict does for torch."""
+    own = model.get_weights() if isinstance(weights, list) else {k: v.numpy() for k, v in model.state_dict().items()}
+    pairs = list(zip(own, weights)) if isinstance(weights, list) else [(own.get(k), v) for k, v in weights.items()]
+    if len(own) != len(weights) or any(mine is None or mine.shape != theirs.shape for mine, theirs in pairs):
+        raise ValueError("the workers' model has other weights (shapes or names) than the notebook's; "
+                         "the notebook's model is unchanged")
+    if isinstance(weights, list):
+        model.set_weights(weights)
+    else:
+        model.set_state_dict(weights)
 
 
 def listed(names: list[str]) -> str:

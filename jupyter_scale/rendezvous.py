@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -305,7 +306,7 @@ def _socket_fds() -> dict[int, int]:
     return found
 
 
-def _tcp_endpoints(inodes: set[int]) -> dict[int, tuple]:
+def tcp_endpoints(inodes: set[int]) -> dict[int, tuple]:
     """For those of `inodes` that are TCP sockets: (local, remote) endpoints as (address,
     port), remote None for a listening socket. Read from the kernel's tables, not from the
     sockets: a socket object made on another thread's descriptor can change its flags."""
@@ -347,7 +348,7 @@ def _groups_own(opened: set[int], store: dist.Store, rank: int, world_size: int)
     worker. The group's are its listening sockets and the connections to or from one of
     them: each rank publishes its listeners' endpoints in the group's store.
     """
-    endpoints = _tcp_endpoints(opened)  # none off Linux: nothing is cut there
+    endpoints = tcp_endpoints(opened)  # none off Linux: nothing is cut there
     mine = sorted(local for local, remote in endpoints.values() if remote is None)
     listeners = {tuple(local) for local in mine}
     try:
@@ -421,8 +422,10 @@ class AbortWatch:
     # that left the network would otherwise wait for TCP to give up (many minutes).
     UNREACHABLE_S = 10.0
 
-    def __init__(self, spec: dict, group_sockets: set[int], poll: float = 0.25):
+    def __init__(self, spec: dict, group_sockets: set[int], poll: float = 0.25,
+                 on_cut: Callable[[], None] | None = None):
         self._remote = "file" not in spec
+        self._on_cut = on_cut  # frees what the sockets do not (another framework's collectives)
         self._store = group_store(spec, timeout=self.UNREACHABLE_S if self._remote else 30)
         self._sockets = group_sockets
         self._poll = poll
@@ -455,6 +458,8 @@ class AbortWatch:
     def _cut(self) -> None:
         self._stop.set()  # once: the other thread ends too
         cut_connections(self._sockets)
+        if self._on_cut is not None:
+            self._on_cut()
 
     def stop(self) -> None:
         self._stop.set()

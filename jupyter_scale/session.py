@@ -21,7 +21,7 @@ import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import export, jobfiles, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
+from . import export, frameworks, jobfiles, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
 from .display import RunView
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
@@ -48,6 +48,12 @@ class ScaleSession(LoggingConfigurable):
                              "(a torn-down process group unblocks them) before interrupting them.")
     stop_deadline = Float(15.0, config=True,
                           help="Seconds interrupted ranks get to stop before the cell gives up on them.")
+    allow_unauthenticated_servers = Bool(False, config=True,
+                                         help="Let TensorFlow and PaddlePaddle cells form their own process groups: "
+                                              "TensorFlow's server runs any graph anyone sends it, PaddlePaddle's "
+                                              "store serves anyone; both listen on every interface. Only where "
+                                              "every user of these machines and every host that reaches them "
+                                              "is trusted (see README, Frameworks).")
     display = Unicode("auto", config=True,
                       help="How a running cell shows its progress: 'widget' (the live dashboard), "
                            "'text' (a line every few seconds), or 'auto': the widget in a kernel "
@@ -108,6 +114,11 @@ class ScaleSession(LoggingConfigurable):
         self._network_noted = False  # said once per cluster that gloo across hosts is unencrypted
         self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
         self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
+        # Frameworks whose group the workers formed (see frameworks), and those whose group
+        # cannot go on (a failed cell, or torch's group formed anew): their next cell
+        # restarts the workers, as neither TensorFlow nor Paddle forms a group twice.
+        self._framework_groups: set[str] = set()
+        self._spent_frameworks: set[str] = set()
         self._cell: CellRun | None = None  # the running (or last) cell's wait
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
@@ -380,6 +391,7 @@ class ScaleSession(LoggingConfigurable):
 
     def _forget_workers(self) -> None:
         self._lost_workers = []
+        self._framework_groups, self._spent_frameworks = set(), set()
         self.workers = []
         self.group = {}
         self.shared_memory = False
@@ -390,6 +402,7 @@ class ScaleSession(LoggingConfigurable):
     def _form_group(self) -> None:
         """Lay out ranks (host, local rank, device) and initialize torch.distributed."""
         backend = self._require_backend()
+        self._spent_frameworks |= self._framework_groups  # their sockets go with torch's group
         n = backend.size
         timeout = self.start_timeout
         # Workers on this machine get large frames through shared memory instead of the
@@ -458,8 +471,8 @@ class ScaleSession(LoggingConfigurable):
         for rank, w in enumerate(self.workers):
             layouts.append(Layout(
                 rank=rank, world_size=n, local_rank=seen[w["node"]], local_world_size=per_node[w["node"]],
-                group_rank=node_rank[w["node"]], master_addr=master_addr, master_port=port, store=store,
-                backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
+                group_rank=node_rank[w["node"]], nodes=len(node_rank), master_addr=master_addr, master_port=port,
+                store=store, backend=dist_backend, cuda_count=w["cuda_count"], timeout=timeout,
             ))
             seen[w["node"]] += 1
         joined = backend.submit_each(worker.join_group, [(layout,) for layout in layouts]).wait(timeout)
@@ -496,7 +509,7 @@ class ScaleSession(LoggingConfigurable):
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
             timeout: float | None = None, manual: bool = False, steps: int | None = None,
             launcher: str | None = None, launcher_options: dict | None = None, shard: bool | dict = False,
-            keep_sharded: bool = False) -> RunRecord:
+            keep_sharded: bool = False, framework: str | None = None) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
@@ -507,6 +520,9 @@ class ScaleSession(LoggingConfigurable):
         cell's own when an optimizer is built over their parameters; a dict gives
         shard_model's options (`mixed_precision`, `offload`, `blocks`, `init`). `keep_sharded`:
         sharded models stay on the workers, not copied back into the notebook's.
+        `framework`: whose process group the cell uses, torch (the default), tensorflow,
+        paddle; by default the one the cell uses (see frameworks.choose). Another than
+        torch's turns automatic mode off: the cell uses that framework's own API.
         """
         if shard and manual:
             raise ValueError("shard is automatic mode's; with manual, call jupyter_scale.shard_model in the cell")
@@ -514,10 +530,21 @@ class ScaleSession(LoggingConfigurable):
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
+        try:
+            framework = frameworks.choose(code, self.namespace, names, framework)
+        except frameworks.FrameworkError as exc:
+            raise DistributeError(str(exc)) from None
+        if framework != "torch":
+            self._check_framework(framework, shard)
+            manual = True
         # Pickle before any worker runs: an unpicklable value fails here, naming it. The
         # plan adds the names that the notebook functions the cell calls read.
         plan = self.shipper.plan({n: self.namespace[n] for n in names})
         names = list(plan.values)
+        if framework in self._spent_frameworks and self.running and not self._lost_workers:
+            print(f"jupyter_scale: the workers' {framework} group cannot go on after the failed cell (it forms once "
+                  "per process); restarting the workers (their variables are lost)", file=sys.stderr, flush=True)
+            self.restart(workers)
         self.ensure(workers, launcher, launcher_options)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=_draw_seed())
         self.runs.append(record)
@@ -528,7 +555,7 @@ class ScaleSession(LoggingConfigurable):
                   f"{'s' if len(shipment.replaced) == 1 else ''} the workers' own (set by an earlier "
                   "%%distribute cell; the notebook changed it since)", file=sys.stderr, flush=True)
         # The notebook's models the cell uses, also through the notebook functions it calls.
-        modules = [n for n in names if isinstance(self.namespace[n], torch.nn.Module)]
+        modules = [n for n in names if frameworks.is_model(self.namespace[n])]
         events = self._event_stream()
         run_id = events.begin(record.workers)  # from here on, late points of earlier runs are dropped
         request: CellRequest = {
@@ -552,7 +579,10 @@ class ScaleSession(LoggingConfigurable):
             # Rank 0 sends the pull-back through a file of its own there.
             "pull_through": self.shared_memory_keep if self.shared_memory else None,
             "seed": record.seed,
+            "framework": framework,
         }
+        if framework != "torch":
+            self._framework_groups.add(framework)
         view = RunView(self, record, steps)
         self._notify("run_started", record, steps)
         with interrupts_noted() as interrupts:
@@ -583,6 +613,20 @@ class ScaleSession(LoggingConfigurable):
             raise KeyboardInterrupt("interrupted as the cell ended: it had finished on every rank, "
                                     "and the notebook holds its results")
         return record
+
+    def _check_framework(self, framework: str, shard: bool | dict) -> None:
+        if shard:
+            raise DistributeError("--shard is torch's (FSDP2); a tensorflow or paddle cell shards with its own API")
+        if framework == "horovod":
+            raise DistributeError("Horovod cells are not supported yet (see README, Frameworks)")
+        if not self.allow_unauthenticated_servers:
+            what = {"tensorflow": "TensorFlow's server (TF_CONFIG) runs any graph anyone sends it",
+                    "paddle": "PaddlePaddle's store (PADDLE_MASTER) serves anyone, who can then stall or break "
+                              "the group"}[framework]
+            raise DistributeError(
+                f"{what}, and listens on every interface: on a machine that others use, they could reach it. "
+                "Where every user and host is trusted: %config ScaleSession.allow_unauthenticated_servers = True "
+                "(see README, Frameworks)")
 
     def export(self, directory: str | os.PathLike, *, code: str | None = None, cell: int | None = None,
                targets: Sequence[str] = jobfiles.TARGETS, save_values: bool = True, workers: int | None = None,
@@ -732,6 +776,7 @@ class ScaleSession(LoggingConfigurable):
             self._group_ready = False
         if error is not None:
             self._resync = True
+            self._spent_frameworks |= self._framework_groups  # their collectives were cut
             record.status = ("timed out" if isinstance(error, CellTimeout)
                              else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
             record.error, record.failed_rank = str(error), error.rank

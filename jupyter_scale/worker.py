@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import launchers, rendezvous, sharedmem, shipping, training
+from . import frameworks, launchers, rendezvous, sharedmem, shipping, training
 from .metrics import EventSink, Recorder
 from .protocol import CellRequest, Described, Layout
 
@@ -60,6 +60,7 @@ class _WorkerState:
     backend: str = "gloo"
     reinits: int = 0
     watch: Any = None  # rendezvous.AbortWatch of the current group
+    layout: Any = None  # this rank's place in the current group (protocol.Layout)
     sink: Any = None  # metrics.EventSink to the kernel's event stream
     cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
     cell_run: str = ""  # the run id of the cell running now
@@ -268,6 +269,7 @@ def join_group(layout: Layout) -> dict:
     _state.local_rank, _state.local_world_size = layout["local_rank"], layout["local_world_size"]
     _state.device = rendezvous.select_device(layout["backend"], _state.local_rank, layout["cuda_count"])
     _state.recorder = Recorder(rank=rank)
+    _state.layout = layout
     rendezvous.set_torchrun_env(rank, world_size, _state.local_rank, _state.local_world_size,
                                 layout["master_addr"], layout["master_port"], layout.get("group_rank", 0))
     if _state.device.type == "cpu":
@@ -288,7 +290,7 @@ def join_group(layout: Layout) -> dict:
         _state.store = None
         return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     _state.group_ready = True
-    _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets)
+    _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets, on_cut=frameworks.abort_all)
     _install_torchrun_compat()
     _install_collective_marks()
     rewrapped = _rewrap_stale_ddp()
@@ -405,6 +407,7 @@ def _heartbeat_status() -> dict:
 def leave_group() -> None:
     """Cut and tear down the process group (peers blocked on us fail fast)."""
     _stop_watch()
+    frameworks.abort_all()  # their groups cannot be formed again in this process: the kernel restarts it
     rendezvous.abort_group(_state.group_sockets)
     _state.group_sockets = set()
     _state.group_ready = False
@@ -472,7 +475,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     buffers = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
-    auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready
+    framework = request.get("framework", "torch")
+    auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready and framework == "torch"
     mode = training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn) if auto else nullcontext()
     # --shard (one worker too: it materializes models built on the meta device). A model
     # sharded here keeps the notebook's tokens of its parameters: their whole tensors are
@@ -492,7 +496,11 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
         _cell_may_be_interrupted(True)
         with mode, sharding:
             _state.receiver.device = _state.device
-            with sharedmem.unpacked(frames, request.get("shared_frames")) as frames:
+            # Another framework's group first: TensorFlow's must exist before any TensorFlow op,
+            # and notebook models arrive under it.
+            group = _framework_group(framework) if framework != "torch" else None
+            with sharedmem.unpacked(frames, request.get("shared_frames")) as frames, \
+                    group.receiving() if group is not None else nullcontext():
                 shipped = _state.receiver.receive(request, frames)
             if auto:
                 shipped = {name: mode.shard_shipped(value) for name, value in shipped.items()}
@@ -557,6 +565,22 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             except OSError:  # out of memory there: the engine carries them
                 pass
     return (header, *out_frames)
+
+
+def _framework_group(name: str) -> frameworks.Group:
+    """`name`'s group on this worker: formed with every rank at its first cell, then reused."""
+    if not _state.group_ready:
+        raise RuntimeError("no process group: the cluster could not form one")
+    layout = _state.layout
+    master = layout["master_addr"]
+    place = frameworks.Place(
+        rank=_state.rank, world_size=_state.world_size, local_rank=_state.local_rank,
+        local_world_size=_state.local_world_size, node_rank=layout.get("group_rank", 0),
+        nodes=layout.get("nodes", 1), device=_state.device,
+        address=master if master == rendezvous.LOOPBACK else rendezvous.source_address(master) or master)
+    group, sockets = frameworks.form(name, place, rendezvous.all_gather_json)
+    _state.group_sockets.update(sockets)  # the abort watch holds this set: it cuts them too
+    return group
 
 
 @contextmanager
@@ -625,8 +649,18 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
                 continue
             values[name] = value
             continue
-        if not isinstance(value, torch.nn.Module):
-            errors[name] = f"is no longer an nn.Module on the workers ({type(value).__name__})"
+        kind = frameworks.is_model(value)
+        if kind not in ("torch", None) and (group := frameworks.formed(kind)) is not None:
+            frames = packed(group.weights(value))
+            if isinstance(frames, str):
+                errors[name] = frames
+                continue
+            out_frames.extend(frames[0])
+            tensor_frames.extend(frames[1])
+            pulled.append(([name], f"{kind}_weights", len(frames[0])))
+            continue
+        if kind != "torch":
+            errors[name] = f"is no longer a model on the workers ({type(value).__name__})"
             continue
         if training.is_sharded_model(value):
             if request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was

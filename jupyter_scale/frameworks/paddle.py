@@ -1,0 +1,83 @@
+"""PaddlePaddle on the workers: the `PADDLE_*` variables of `paddle.distributed.launch`,
+then `paddle.distributed.init_parallel_env()`, once per process (Paddle's group cannot be
+formed again in a process: a second call returns the first group).
+
+The cell calls `init_parallel_env()` and wraps its model in `paddle.DataParallel` as under
+the launcher. Rank 0's store (PADDLE_MASTER) listens on every interface without
+authentication: the kernel forms this group only where the user allows that (see
+session.allow_unauthenticated_servers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from .. import rendezvous
+from . import Place
+
+_group_sockets: set[int] = set()
+
+
+def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
+    # Ports as the launcher picks them: rank 0's store, and an endpoint per rank (Paddle
+    # names them to the ranks; on the CPU nothing listens there).
+    endpoints = gather(f"{place.address}:{rendezvous.free_port(place.address)}")
+    master = gather(rendezvous.free_port("0.0.0.0") if place.rank == 0 else None)[0]  # Paddle binds every interface
+    os.environ.update(
+        PADDLE_TRAINER_ID=str(place.rank), PADDLE_TRAINERS_NUM=str(place.world_size),
+        PADDLE_GLOBAL_RANK=str(place.rank), PADDLE_GLOBAL_SIZE=str(place.world_size),
+        PADDLE_LOCAL_RANK=str(place.local_rank), PADDLE_LOCAL_SIZE=str(place.local_world_size),
+        PADDLE_RANK_IN_NODE=str(place.local_rank), PADDLE_NNODES=str(place.nodes),
+        PADDLE_MASTER=f"{endpoints[0].rsplit(':', 1)[0]}:{master}",
+        PADDLE_CURRENT_ENDPOINT=endpoints[place.rank], PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+        PADDLE_DISTRI_BACKEND="nccl" if place.device.type == "cuda" else "gloo",
+    )
+    if place.device.type == "cuda":
+        os.environ["FLAGS_selected_gpus"] = str(place.device.index or 0)
+    # Paddle's import puts C handlers of its own on SIGTERM and the fatal signals (they
+    # print and exit); the engine's, and faulthandler's, are put back.
+    main = threading.current_thread() is threading.main_thread()  # handlers are the main thread's to set
+    handler = signal.getsignal(signal.SIGTERM)
+    import faulthandler
+
+    import paddle.distributed as dist
+
+    if main and handler is not None:
+        signal.signal(signal.SIGTERM, handler)
+    if faulthandler.is_enabled():
+        faulthandler.disable()
+        faulthandler.enable()
+    before = rendezvous.tcp_socket_inodes()
+    dist.init_parallel_env()
+    _group_sockets.update(_between_ranks(rendezvous.tcp_socket_inodes() - before, master, gather))
+    return set(_group_sockets)
+
+
+def _between_ranks(opened: set[int], master_port: int, gather: Callable[[Any], list]) -> set[int]:
+    """Of the connections opened while forming the group, gloo's between ranks: those
+    whose far end another rank opened too. Not the store's (Paddle aborts the process
+    when its store connection breaks), nor the engine's own."""
+    endpoints = {inode: ends for inode, ends in rendezvous.tcp_endpoints(opened).items() if ends[1] is not None}
+    mine = [list(local) for local, _ in endpoints.values()]
+    theirs = {tuple(local) for ends in gather(mine) for local in ends} - {tuple(e) for e in mine}
+    return {inode for inode, (local, remote) in endpoints.items()
+            if tuple(remote) in theirs and master_port not in (local[1], remote[1])}
+
+
+def receiving() -> AbstractContextManager:
+    return nullcontext()
+
+
+def abort() -> None:
+    """Shut gloo's connections between ranks: a peer blocked in a collective fails at once."""
+    rendezvous.cut_connections(_group_sockets)
+
+
+def weights(model: Any) -> dict:
+    """A Layer's state dict as NumPy arrays (the kernel's Layer gets them with set_state_dict)."""
+    return {key: value.numpy() for key, value in model.state_dict().items()}

@@ -1,0 +1,136 @@
+"""TensorFlow cells: TF_CONFIG and one MultiWorkerMirroredStrategy per worker, on a real
+ipyparallel cluster; TensorFlow's own data-parallel API (a custom loop with strategy.run)."""
+
+import threading
+
+import pytest
+
+from conftest import _started_kernel, _stop_and_check
+
+pytest.importorskip("tensorflow")
+
+NOTEBOOK = """
+import numpy as np
+import tensorflow as tf
+import keras
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(1024, 8)).astype("float32")
+Y = (X @ np.arange(1, 9, dtype="float32")[:, None] / 10 + 0.5).astype("float32")
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+
+def same_everywhere(ranks, notebook):
+    return len(ranks) == 2 and all(
+        np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(ranks[0], ranks[1], notebook))
+
+model = build_model()
+before = [w.copy() for w in model.get_weights()]
+"""
+
+# As TensorFlow's multi-worker tutorial writes it for a custom loop; `model` is the notebook's.
+TRAIN = """%%distribute --workers 2
+EPOCHS = {epochs}
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+GLOBAL_BATCH = 64
+batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH))
+with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.05)
+    optimizer.build(model.trainable_variables)
+
+@tf.function
+def train_step(batch):
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(model(x, training=True) - y), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return strategy.reduce("SUM", strategy.run(step, args=batch), axis=None)
+
+epoch_losses = []
+for epoch in range(EPOCHS):
+    losses = [float(train_step(batch)) for batch in batches]
+    epoch_losses.append(sum(losses) / len(losses))
+    report(loss=epoch_losses[-1], epoch=epoch)
+weights = [w.copy() for w in model.get_weights()]
+"""
+
+
+def train(epochs):
+    return TRAIN.replace("{epochs}", str(epochs))
+
+SAME_ON_BOTH_RANKS = "same_everywhere(jupyter_scale.get_session().gather('weights'), model.get_weights())"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = _started_kernel()
+    yield k
+    _stop_and_check(k)
+
+
+def test_tensorflow_is_refused_until_the_user_allows_its_unauthenticated_server(kernel):
+    out = kernel.cell("%%distribute --workers 2\nimport tensorflow as tf\nprint(tf.__version__)")
+    assert not out.ok and "allow_unauthenticated_servers" in out.error["evalue"], out.error_text
+    assert len(out.error["traceback"]) == 1  # one line
+    assert kernel.value("jupyter_scale.get_session().running") is False  # nothing started, nothing listens
+
+
+def test_two_workers_train_with_the_strategy_and_the_notebook_model_gets_rank_0s_weights(kernel):
+    kernel.ok("%config ScaleSession.allow_unauthenticated_servers = True\n" + NOTEBOOK, timeout=120)
+    kernel.ok(train(4), timeout=240)
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "finished"
+    losses = kernel.value("jupyter_scale.get_session().gather('epoch_losses')")
+    assert losses[0] == losses[1] and losses[0][-1] < losses[0][0] / 4, losses  # strategy.reduce: one loss
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+    assert kernel.value("any((a != b).any() for a, b in zip(before, model.get_weights()))") is True
+    # report() and history() as for torch: a point per epoch from each rank
+    assert kernel.value("len(jupyter_scale.history())") == 8
+    # The strategy is the worker's one: formed once, the next cell gets it again and trains on.
+    kernel.ok("%%distribute\nimport json, os\nsame = tf.distribute.MultiWorkerMirroredStrategy() is strategy\n"
+              "workers = json.loads(os.environ['TF_CONFIG'])['cluster']['worker']", timeout=120)
+    assert kernel.value("jupyter_scale.get_session().gather('same')") == [True, True]
+    workers = kernel.value("jupyter_scale.get_session().gather('workers')")
+    assert workers[0] == workers[1] and len(set(workers[0])) == 2 and all(w.startswith("127.0.0.1:") for w in workers[0])
+    kernel.ok(train(1), timeout=240)
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+
+
+def test_an_error_on_rank_1_names_it_and_the_next_cell_trains_on_fresh_workers(kernel):
+    pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    kernel.ok("snapshot = [w.copy() for w in model.get_weights()]")
+    out = kernel.cell(train(3).replace("    losses = [", "    if rank == 1 and epoch == 1:\n"
+                                       "        raise ValueError('bad batch on rank 1')\n    losses = ["), timeout=240)
+    assert not out.ok
+    assert out.error["ename"] == "RemoteError" and "rank 1" in out.error["evalue"], out.error_text
+    assert "bad batch on rank 1" in out.error_text
+    # The notebook's model is as it was (a failed cell brings nothing back).
+    assert kernel.value("all(np.array_equal(a, b) for a, b in zip(snapshot, model.get_weights()))") is True
+    out = kernel.cell(train(1), timeout=300)
+    assert out.ok, out.error_text
+    assert "restarting the workers" in out.stderr
+    assert kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]") != pids
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+
+
+def test_an_interrupt_stops_both_ranks_and_the_next_cell_works(kernel):
+    timer = threading.Timer(3.0, kernel.manager.interrupt_kernel)
+
+    def on_stream(name, text):
+        if "epoch" in text and not timer.is_alive() and not timer.finished.is_set():
+            timer.start()
+
+    try:
+        out = kernel.cell(train(10_000).replace("report(", "print('epoch', epoch, flush=True)\n    report("),
+                          timeout=240, on_stream=on_stream)
+    finally:
+        timer.cancel()
+    assert timer.finished.is_set(), "training never started"
+    assert not out.ok and out.error["ename"] == "KeyboardInterrupt", out.error_text
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
+    kernel.ok(train(1), timeout=300)
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
