@@ -276,12 +276,12 @@ class CellRun:
         self._stop_running("kernel interrupt")
 
     def _classify(self) -> RemoteError | None:
-        if self.user_interrupted and not self.lost:
+        if self.user_interrupted:
             for f in self.failures:
                 # The interrupt stopped every rank; a rank freed from a collective by a peer
                 # that stopped first fails with gloo's "connection closed" instead of a
-                # KeyboardInterrupt. Only an error raised before the interrupt, outside a
-                # collective, is the cell's own.
+                # KeyboardInterrupt (Paddle's ends its process). Only an error raised before
+                # the interrupt, outside a collective, is the cell's own.
                 if f.collective is not None or f.time >= self.interrupt_sent - 0.05:
                     f.interrupted = True
         if not self.failures:

@@ -537,6 +537,10 @@ class ScaleSession(LoggingConfigurable):
         if framework != "torch":
             self._check_framework(framework, shard)
             manual = True
+        if framework == "paddle":
+            from .frameworks import paddle
+
+            paddle.pickle_parameters()
         # Pickle before any worker runs: an unpicklable value fails here, naming it. The
         # plan adds the names that the notebook functions the cell calls read.
         plan = self.shipper.plan({n: self.namespace[n] for n in names})
@@ -782,8 +786,9 @@ class ScaleSession(LoggingConfigurable):
             record.error, record.failed_rank = str(error), error.rank
             self._finish_run(view, record)
             if record.status == "interrupted" and cell.user_interrupted:
+                ended = f"; the worker of rank(s) {sorted(lost)} ended, the next cell replaces it" if lost else ""
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
-                                        "and are ready for the next cell")
+                                        f"and are ready for the next cell{ended}")
             raise error
         self._resync = self._resync and manual  # an automatic cell equalized the models
         if not manual:

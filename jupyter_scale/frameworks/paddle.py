@@ -10,9 +10,11 @@ session.allow_unauthenticated_servers).
 
 from __future__ import annotations
 
+import copyreg
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -52,10 +54,54 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
     if faulthandler.is_enabled():
         faulthandler.disable()
         faulthandler.enable()
+    pickle_parameters()
+    _wrap_once()
     before = rendezvous.tcp_socket_inodes()
     dist.init_parallel_env()
     _group_sockets.update(_between_ranks(rendezvous.tcp_socket_inodes() - before, master, gather))
     return set(_group_sockets)
+
+
+def _wrap_once() -> None:
+    """`paddle.DataParallel(model)` of a model already wrapped gives that wrapper: a cell
+    run twice would otherwise hook a second reducer onto the same parameters, and
+    Paddle's backward then crashes the process (SIGSEGV)."""
+    import paddle
+
+    original = paddle.DataParallel
+    wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(model) -> its wrapper
+
+    class DataParallel(original):  # type: ignore[misc, valid-type]
+        def __new__(cls, layers, *args, **kwargs):
+            found = wrappers.get(id(layers))
+            return found if found is not None else super().__new__(cls)
+
+        def __init__(self, layers, *args, **kwargs):
+            if wrappers.get(id(layers)) is self:
+                return
+            super().__init__(layers, *args, **kwargs)
+            wrappers[id(layers)] = self  # the wrapper holds the model: its id stays its own
+
+    DataParallel.__qualname__ = original.__qualname__
+    paddle.DataParallel = paddle.distributed.DataParallel = DataParallel
+
+
+def pickle_parameters() -> None:
+    """Pickle Paddle's parameters as parameters: by default one comes back a plain Tensor,
+    which neither DataParallel nor an optimizer takes. Kernel and workers both need it."""
+    from paddle.base.framework import EagerParamBase
+
+    copyreg.pickle(EagerParamBase, _reduce_parameter)
+
+
+def _reduce_parameter(param: Any) -> tuple:
+    return _parameter, (param.detach(), param.trainable, param.name)
+
+
+def _parameter(tensor: Any, trainable: bool, name: str) -> Any:
+    from paddle.base.framework import EagerParamBase
+
+    return EagerParamBase.from_tensor(tensor, trainable=trainable, name=name)
 
 
 def _between_ranks(opened: set[int], master_port: int, gather: Callable[[Any], list]) -> set[int]:

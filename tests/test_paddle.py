@@ -1,0 +1,143 @@
+"""PaddlePaddle cells: the PADDLE_* variables and one init_parallel_env per worker, on a
+real ipyparallel cluster; Paddle's own data-parallel API (DataParallel, DistributedBatchSampler)."""
+
+import threading
+
+import pytest
+
+from conftest import _started_kernel, _stop_and_check
+
+pytest.importorskip("paddle")
+
+NOTEBOOK = """
+import numpy as np
+import paddle
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(1024, 8)).astype("float32")
+Y = (X @ np.arange(1, 9, dtype="float32")[:, None] / 10 + 0.5).astype("float32")
+
+class Net(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.hidden = paddle.nn.Linear(8, 16)
+        self.out = paddle.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(paddle.nn.functional.relu(self.hidden(x)))
+
+def same_everywhere(ranks, notebook):
+    return len(ranks) == 2 and all(
+        np.array_equal(ranks[0][k], ranks[1][k]) and np.array_equal(ranks[0][k], notebook[k].numpy()) for k in notebook)
+
+paddle.seed(0)
+model = Net()
+before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+"""
+
+# As Paddle's data-parallel guide writes it; `model` is the notebook's.
+TRAIN = """%%distribute --workers 2
+EPOCHS = {epochs}
+import paddle.distributed as dist
+dist.init_parallel_env()
+parallel = paddle.DataParallel(model)
+data = paddle.io.TensorDataset([paddle.to_tensor(X), paddle.to_tensor(Y)])
+sampler = paddle.io.DistributedBatchSampler(data, batch_size=32, shuffle=True)
+loader = paddle.io.DataLoader(data, batch_sampler=sampler)
+optimizer = paddle.optimizer.SGD(learning_rate=0.05, parameters=model.parameters())
+epoch_losses = []
+for epoch in range(EPOCHS):
+    sampler.set_epoch(epoch)
+    losses = []
+    for x, y in loader:
+        loss = paddle.nn.functional.mse_loss(parallel(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        losses.append(float(loss))
+    epoch_losses.append(sum(losses) / len(losses))
+    report(loss=epoch_losses[-1], epoch=epoch)
+weights = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+"""
+
+SAME_ON_BOTH_RANKS = "same_everywhere(jupyter_scale.get_session().gather('weights'), model.state_dict())"
+
+
+def train(epochs):
+    return TRAIN.replace("{epochs}", str(epochs))
+
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = _started_kernel()
+    yield k
+    _stop_and_check(k)
+
+
+def test_paddle_is_refused_until_the_user_allows_its_unauthenticated_store(kernel):
+    out = kernel.cell("%%distribute --workers 2\nimport paddle\nprint(paddle.__version__)")
+    assert not out.ok and "allow_unauthenticated_servers" in out.error["evalue"], out.error_text
+    assert len(out.error["traceback"]) == 1  # one line
+    assert kernel.value("jupyter_scale.get_session().running") is False  # nothing started, nothing listens
+
+
+def test_two_workers_train_with_dataparallel_and_the_notebook_layer_gets_rank_0s_weights(kernel):
+    kernel.ok("%config ScaleSession.allow_unauthenticated_servers = True\n" + NOTEBOOK, timeout=120)
+    kernel.ok(train(4), timeout=240)
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "finished"
+    losses = kernel.value("jupyter_scale.get_session().gather('epoch_losses')")
+    assert losses[0][-1] < losses[0][0] / 4 and losses[1][-1] < losses[1][0] / 4, losses  # each rank's own batches
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+    assert kernel.value("any((v != model.state_dict()[k].numpy()).any() for k, v in before.items())") is True
+    # report() and history() as for torch: a point per epoch from each rank
+    assert kernel.value("len(jupyter_scale.history())") == 8
+    # The group is the worker's one: formed once, the next cell's init_parallel_env gets it again.
+    kernel.ok("%%distribute\nimport os\nsame = dist.init_parallel_env() is dist.init_parallel_env()\n"
+              "endpoints = [os.environ['PADDLE_MASTER'], *os.environ['PADDLE_TRAINER_ENDPOINTS'].split(',')]",
+              timeout=120)
+    assert kernel.value("jupyter_scale.get_session().gather('same')") == [True, True]
+    endpoints = kernel.value("jupyter_scale.get_session().gather('endpoints')")
+    assert endpoints[0] == endpoints[1] and len(set(endpoints[0])) == 3
+    assert all(e.startswith("127.0.0.1:") for e in endpoints[0])
+    kernel.ok(train(1), timeout=240)
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+
+
+def test_an_error_on_rank_1_names_it_and_the_next_cell_trains_on_fresh_workers(kernel):
+    pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
+    kernel.ok("snapshot = {k: v.numpy().copy() for k, v in model.state_dict().items()}")
+    out = kernel.cell(train(3).replace("    losses = [", "    if rank == 1 and epoch == 1:\n"
+                                       "        raise ValueError('bad batch on rank 1')\n    losses = ["), timeout=240)
+    assert not out.ok
+    # Paddle ends rank 0's process when rank 1 cuts the group's connections: a consequence,
+    # not the cause, and its worker is replaced at the next cell.
+    assert out.error["ename"] in ("RemoteError", "WorkerDied"), out.error_text
+    assert out.error["evalue"].startswith("rank 1 failed: ValueError"), out.error_text
+    assert "bad batch on rank 1" in out.error_text
+    # The notebook's model is as it was (a failed cell brings nothing back).
+    assert kernel.value("all(np.array_equal(v, model.state_dict()[k].numpy()) for k, v in snapshot.items())") is True
+    out = kernel.cell(train(1), timeout=300)
+    assert out.ok, out.error_text
+    assert "restarting the" in out.stdout + out.stderr
+    assert kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]") != pids
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+
+
+def test_an_interrupt_stops_both_ranks_and_the_next_cell_works(kernel):
+    timer = threading.Timer(3.0, kernel.manager.interrupt_kernel)
+
+    def on_stream(name, text):
+        if "epoch" in text and not timer.is_alive() and not timer.finished.is_set():
+            timer.start()
+
+    try:
+        out = kernel.cell(train(10_000).replace("report(", "print('epoch', epoch, flush=True)\n    report("),
+                          timeout=240, on_stream=on_stream)
+    finally:
+        timer.cancel()
+    assert timer.finished.is_set(), "training never started"
+    assert not out.ok and out.error["ename"] == "KeyboardInterrupt", out.error_text
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
+    kernel.ok(train(1), timeout=300)
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
