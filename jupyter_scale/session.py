@@ -537,7 +537,7 @@ class ScaleSession(LoggingConfigurable):
         if framework != "torch":
             self._check_framework(framework, shard)
             manual = True
-        if framework == "paddle":
+        if framework == "paddle" and "paddle" in sys.modules:  # the notebook's Layers travel as Layers
             from .frameworks import paddle
 
             paddle.pickle_parameters()
@@ -545,10 +545,17 @@ class ScaleSession(LoggingConfigurable):
         # plan adds the names that the notebook functions the cell calls read.
         plan = self.shipper.plan({n: self.namespace[n] for n in names})
         names = list(plan.values)
-        if framework in self._spent_frameworks and self.running and not self._lost_workers:
-            print(f"jupyter_scale: the workers' {framework} group cannot go on after the failed cell (it forms once "
-                  "per process); restarting the workers (their variables are lost)", file=sys.stderr, flush=True)
-            self.restart(workers)
+        if self.running and not self._lost_workers:
+            if framework in self._spent_frameworks:
+                why = f"the workers' {framework} group cannot go on after the failed cell (it forms once per process)"
+            elif framework == "paddle" and "tensorflow" in self._framework_groups:
+                why = "PaddlePaddle crashes a process that has imported TensorFlow"
+            else:
+                why = ""
+            if why:
+                print(f"jupyter_scale: {why}; restarting the workers (their variables are lost)", file=sys.stderr,
+                      flush=True)
+                self.restart(workers)
         self.ensure(workers, launcher, launcher_options)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=_draw_seed())
         self.runs.append(record)

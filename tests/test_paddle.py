@@ -1,13 +1,15 @@
 """PaddlePaddle cells: the PADDLE_* variables and one init_parallel_env per worker, on a
 real ipyparallel cluster; Paddle's own data-parallel API (DataParallel, DistributedBatchSampler)."""
 
+import importlib.util
 import threading
 
 import pytest
 
 from conftest import _started_kernel, _stop_and_check
 
-pytest.importorskip("paddle")
+# Never imported here: Paddle crashes a process that imported TensorFlow (see test_frameworks).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("paddle") is None, reason="paddle is not installed")
 
 NOTEBOOK = """
 import numpy as np
@@ -141,3 +143,17 @@ def test_an_interrupt_stops_both_ranks_and_the_next_cell_works(kernel):
     assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
     kernel.ok(train(1), timeout=300)
     assert kernel.value(SAME_ON_BOTH_RANKS) is True
+
+
+def test_state_that_does_not_fit_leaves_the_notebook_layer_unchanged_and_parameters_travel_as_parameters(kernel):
+    kernel.ok("from jupyter_scale.pullback import set_weights\n"
+              "snapshot = {k: v.numpy().copy() for k, v in model.state_dict().items()}\n"
+              "state = dict(snapshot)")
+    for wrong in ("{**state, 'hidden.weight': np.zeros((3, 3), 'float32')}", "{'other': state['out.bias']}"):
+        out = kernel.cell(f"set_weights(model, {wrong})")
+        assert not out.ok and "unchanged" in out.error["evalue"], out.error_text
+    assert kernel.value("all(np.array_equal(v, model.state_dict()[k].numpy()) for k, v in snapshot.items())") is True
+    # Shipped to a worker, a parameter must still be one: DataParallel and the optimizers want them.
+    kernel.ok("import pickle, cloudpickle")
+    assert kernel.value("{type(p).__name__ for p in pickle.loads(cloudpickle.dumps(model)).parameters()}") \
+        == {"EagerParamBase"}

@@ -1,13 +1,15 @@
 """TensorFlow cells: TF_CONFIG and one MultiWorkerMirroredStrategy per worker, on a real
 ipyparallel cluster; TensorFlow's own data-parallel API (a custom loop with strategy.run)."""
 
+import importlib.util
 import threading
 
 import pytest
 
 from conftest import _started_kernel, _stop_and_check
 
-pytest.importorskip("tensorflow")
+# Never imported here: Paddle crashes a process that imported TensorFlow (see test_frameworks).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="tensorflow is not installed")
 
 NOTEBOOK = """
 import numpy as np
@@ -134,3 +136,24 @@ def test_an_interrupt_stops_both_ranks_and_the_next_cell_works(kernel):
     assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
     kernel.ok(train(1), timeout=300)
     assert kernel.value(SAME_ON_BOTH_RANKS) is True
+
+
+def test_weights_that_do_not_fit_leave_the_notebook_model_unchanged(kernel):
+    kernel.ok("from jupyter_scale.pullback import set_weights\n"
+              "other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])\n"
+              "snapshot = [w.copy() for w in model.get_weights()]")
+    for wrong in ("other.get_weights()", "model.get_weights()[:1]"):
+        out = kernel.cell(f"set_weights(model, {wrong})")
+        assert not out.ok and "unchanged" in out.error["evalue"], out.error_text
+    assert kernel.value("all(np.array_equal(a, b) for a, b in zip(snapshot, model.get_weights()))") is True
+
+
+def test_a_paddle_cell_after_tensorflow_cells_gets_fresh_workers(kernel):
+    # Importing Paddle into a process that imported TensorFlow crashes it: the workers are
+    # replaced first, and the notebook (which never imports Paddle here) is left alone.
+    out = kernel.cell("%%distribute --framework paddle\nimport paddle, paddle.distributed as dist\n"
+                      "dist.init_parallel_env()\nt = paddle.to_tensor([rank + 1.0])\ndist.all_reduce(t)\n"
+                      "total = float(t[0])", timeout=300)
+    assert out.ok, out.error_text
+    assert "PaddlePaddle crashes a process that has imported TensorFlow" in out.stderr
+    assert kernel.value("jupyter_scale.get_session().gather('total')") == [3.0, 3.0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copyreg
 import os
 import signal
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -20,12 +21,15 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from .. import rendezvous
-from . import Place
+from . import FrameworkError, Place
 
 _group_sockets: set[int] = set()
 
 
 def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
+    if "tensorflow" in sys.modules:  # checked before anything is set up: no rank forms a part of the group
+        raise FrameworkError("this worker has imported TensorFlow, and importing PaddlePaddle after it crashes "
+                             "the process: %scale restart, then run the Paddle cell")
     # Ports as the launcher picks them: rank 0's store, and an endpoint per rank (Paddle
     # names them to the ranks; on the CPU nothing listens there).
     endpoints = gather(f"{place.address}:{rendezvous.free_port(place.address)}")
@@ -83,7 +87,7 @@ def _wrap_once() -> None:
             wrappers[id(layers)] = self  # the wrapper holds the model: its id stays its own
 
     DataParallel.__qualname__ = original.__qualname__
-    paddle.DataParallel = paddle.distributed.DataParallel = DataParallel
+    paddle.DataParallel = paddle.distributed.DataParallel = DataParallel  # type: ignore[misc]
 
 
 def pickle_parameters() -> None:
