@@ -57,7 +57,10 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
         signal.signal(signal.SIGTERM, handler)
     if faulthandler.is_enabled():
         faulthandler.disable()
-        faulthandler.enable()
+        try:  # the process's own stderr: an engine's sys.stderr may be a capture without a descriptor
+            faulthandler.enable(file=sys.__stderr__)
+        except (OSError, ValueError, AttributeError):
+            pass
     pickle_parameters()
     _wrap_once()
     before = rendezvous.tcp_socket_inodes()
