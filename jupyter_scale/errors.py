@@ -111,11 +111,8 @@ class RemoteError(DistributeError):
     def _blame(failures: list[RankFailure]) -> list[RankFailure]:
         # Which failure is the cause: a dead worker (its peers' collectives fail because
         # it died, often before its death is noticed), else the earliest exception; ranks
-        # we interrupted come last. A death noticed after a rank raised an error of its own
-        # (outside a collective) follows from it: Paddle ends a process whose group
-        # connections the failed rank cut.
-        own = min((f.time for f in failures if not (f.lost or f.interrupted or f.collective)), default=float("inf"))
-        return sorted(failures, key=lambda f: (f.interrupted or (f.lost and f.time > own), not f.lost, f.time, f.rank))
+        # we interrupted come last.
+        return sorted(failures, key=lambda f: (f.interrupted, not f.lost, f.time, f.rank))
 
     def _headline(self) -> str:
         first = self.failures[0]

@@ -210,6 +210,8 @@ class ScaleMagics(Magics):
         if shard and not args.shard:
             raise UsageError("--mixed-precision and --cpu-offload are options of --shard")
         if args.export is not None:
+            if args.framework not in (None, "torch"):
+                raise UsageError(f"--export writes torch jobs; a {args.framework} cell cannot be exported yet")
             if args.shard:
                 raise UsageError("--export cannot write a --shard cell yet: its script would train unsharded")
             self._report_export(self.session.export(args.export, code=cell, workers=args.workers, manual=args.manual))

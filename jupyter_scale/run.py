@@ -48,6 +48,7 @@ class RunRecord:
     states: list[dict] = field(default_factory=list)  # workers' state changes, in arrival order
     lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)
     status: str = "running"  # running, finished, failed, interrupted, timed out
+    framework: str = "torch"  # whose process group the cell used (see frameworks)
     error: str = ""
     failed_rank: int | None = None  # the rank the error blames
     started: float = field(default_factory=time.time)
@@ -276,12 +277,19 @@ class CellRun:
         self._stop_running("kernel interrupt")
 
     def _classify(self) -> RemoteError | None:
-        if self.user_interrupted:
+        if self.record.framework == "paddle":
+            # Paddle ends a process whose group connections a failed or interrupted peer cut:
+            # a death after a rank's own error, or after the interrupt, is not the cause.
+            own = min((f.time for f in self.failures if not f.lost), default=float("inf"))
+            since = min(own, self.interrupt_sent if self.user_interrupted else float("inf"))
+            for f in self.failures:
+                f.interrupted = f.interrupted or (f.lost and f.time > since)
+        if self.user_interrupted and (not self.lost or self.record.framework == "paddle"):
             for f in self.failures:
                 # The interrupt stopped every rank; a rank freed from a collective by a peer
                 # that stopped first fails with gloo's "connection closed" instead of a
-                # KeyboardInterrupt (Paddle's ends its process). Only an error raised before
-                # the interrupt, outside a collective, is the cell's own.
+                # KeyboardInterrupt. Only an error raised before the interrupt, outside a
+                # collective, is the cell's own.
                 if f.collective is not None or f.time >= self.interrupt_sent - 0.05:
                     f.interrupted = True
         if not self.failures:

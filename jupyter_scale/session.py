@@ -546,7 +546,8 @@ class ScaleSession(LoggingConfigurable):
         plan = self.shipper.plan({n: self.namespace[n] for n in names})
         names = list(plan.values)
         if self.running and not self._lost_workers:
-            if framework in self._spent_frameworks:
+            # torch's group formed anew (a cell destroyed it) cuts the framework's connections too
+            if framework in self._spent_frameworks or framework in self._framework_groups and not self._group_ready:
                 why = f"the workers' {framework} group cannot go on after the failed cell (it forms once per process)"
             elif framework == "paddle" and "tensorflow" in self._framework_groups:
                 why = "PaddlePaddle crashes a process that has imported TensorFlow"
@@ -557,7 +558,8 @@ class ScaleSession(LoggingConfigurable):
                       flush=True)
                 self.restart(workers)
         self.ensure(workers, launcher, launcher_options)
-        record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=_draw_seed())
+        record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=_draw_seed(),
+                           framework=framework)
         self.runs.append(record)
         shipment = self.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
@@ -630,6 +632,9 @@ class ScaleSession(LoggingConfigurable):
             raise DistributeError("--shard is torch's (FSDP2); a tensorflow or paddle cell shards with its own API")
         if framework == "horovod":
             raise DistributeError("Horovod cells are not supported yet (see README, Frameworks)")
+        if self.connection is not None:
+            raise DistributeError(f"{framework} cells run on workers this session starts: a connected cluster's "
+                                  "processes outlive the session, and a framework's group formed in them with them")
         if not self.allow_unauthenticated_servers:
             what = {"tensorflow": "TensorFlow's server (TF_CONFIG) runs any graph anyone sends it",
                     "paddle": "PaddlePaddle's store (PADDLE_MASTER) serves anyone, who can then stall or break "
@@ -662,6 +667,13 @@ class ScaleSession(LoggingConfigurable):
             raise export.ExportError(f"cannot export: {workers} workers do not split evenly over {nodes} nodes")
         try:
             export.check_script_syntax(code, self._transform)
+            try:
+                framework = frameworks.choose(code, self.namespace, self._names_to_ship(self._transform(code)))
+            except frameworks.FrameworkError:
+                framework = "more than one framework"
+            if framework != "torch":
+                raise export.ExportError(f"cannot export: the cell uses {framework}; export writes torch jobs "
+                                         "(torchrun, Slurm, Kubeflow, KubeRay)")
             statements = export.notebook_statements(cells, self._transform)
             plan = export.plan_script(code, self.namespace, statements, save_values=save_values,
                                       eligible=self._shippable, workers_own=self.shipper.workers_own(),
@@ -794,6 +806,9 @@ class ScaleSession(LoggingConfigurable):
             self._finish_run(view, record)
             if record.status == "interrupted" and cell.user_interrupted:
                 ended = f"; the worker of rank(s) {sorted(lost)} ended, the next cell replaces it" if lost else ""
+                if self._framework_groups:
+                    ended += (f"; the next {' or '.join(sorted(self._framework_groups))} cell starts fresh workers "
+                              "(the group forms once per process)")
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
                                         f"and are ready for the next cell{ended}")
             raise error

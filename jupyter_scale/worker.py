@@ -659,8 +659,11 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
             tensor_frames.extend(frames[1])
             pulled.append(([name], f"{kind}_weights", len(frames[0])))
             continue
-        if kind != "torch":
+        if kind is None:
             errors[name] = f"is no longer a model on the workers ({type(value).__name__})"
+            continue
+        if kind != "torch":
+            errors[name] = f"is a {kind} model, and no {kind} group ran this cell (--framework {kind})"
             continue
         if training.is_sharded_model(value):
             if request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was

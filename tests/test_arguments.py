@@ -21,7 +21,7 @@ TOKENS = st.sampled_from([
     "--workers=2", "--timeout=0", "'", '"', "status", "start", "stop", "restart", "connect", "explode",
     "--launcher", "local", "slurm", "mpi", "--partition", "--time", "10:00", "--mem", "16G", "--cpus-per-worker",
     "--gpus-per-worker", "--account", "--qos", "--shard", "--mixed-precision", "bf16", "fp8", "--cpu-offload",
-    "--keep-sharded", "ray://127.0.0.1:10001", "--tls-cert", "c.pem",
+    "--keep-sharded", "ray://127.0.0.1:10001", "--tls-cert", "c.pem", "--framework", "tensorflow", "paddle",
 ])
 LINES = st.lists(st.one_of(TOKENS, st.text(max_size=8)), max_size=6).map(" ".join)
 
@@ -30,8 +30,9 @@ class Recorder(ScaleSession):
     """A session that records calls instead of starting clusters, and checks their arguments."""
 
     def run(self, code, *, workers=None, pull=(), timeout=None, manual=False, steps=None, launcher=None,
-            launcher_options=None, shard=False, keep_sharded=False):
+            launcher_options=None, shard=False, keep_sharded=False, framework=None):
         assert not (shard and manual)
+        assert framework in (None, "torch", "tensorflow", "paddle", "horovod")
         assert shard is False or shard is True or set(shard) <= {"mixed_precision", "offload"}
         assert isinstance(keep_sharded, bool)
         assert workers is None or (isinstance(workers, int) and workers >= 1)

@@ -292,6 +292,9 @@ def test_a_cell_reading_an_open_file_is_refused_by_name(kernel, tmp_path):
     # And IPython syntax in the cell itself.
     out = kernel.cell(f"%%distribute --export {job}\n%time x = 1", history=True)
     assert "line 1 of the cell is IPython syntax" in (out.error or {}).get("evalue", ""), out.error_text
+    # And a cell of another framework: the job would run it under torchrun.
+    out = kernel.cell(f"%%distribute --export {job}\nimport tensorflow as tf\nstrategy = None", history=True)
+    assert "the cell uses tensorflow; export writes torch jobs" in (out.error or {}).get("evalue", ""), out.error_text
     assert not job.exists()
 
 

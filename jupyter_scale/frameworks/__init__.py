@@ -7,14 +7,16 @@ the same for every framework. torch's group is always formed (it carries the abo
 the exchanges below); another framework's group is formed on the workers from it, once,
 the first time a cell of that framework runs, and reused by the next cells (see `worker`).
 
-Kernel side: `choose` (the cell's framework), `is_model` and `listed`. Worker side, one
-module each, imported only where that framework runs: `tensorflow`, `paddle`, `horovod`.
+Kernel side: `choose` (the cell's framework) and `is_model`. Worker side: `form` and, one
+module each, imported only where that framework runs: `tensorflow`, `paddle`. (Horovod is
+named, to be refused in one line: its release does not build against this torch.)
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -29,7 +31,7 @@ _PACKAGES = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorflow"
 
 
 class FrameworkError(ValueError):
-    """The cell's framework cannot be told, or is not installed."""
+    """The cell's framework cannot be told, or its group cannot be formed on this worker."""
 
 
 def choose(code: str, namespace: dict, free: list[str], named: str | None = None) -> str:
@@ -60,21 +62,29 @@ def _imported(code: str) -> set:
     found = set()
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
-            found |= {_PACKAGES.get(alias.name.split(".")[0]) for alias in node.names}
+            found |= {_package_framework(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(_PACKAGES.get(node.module.split(".")[0]))
+            found.add(_package_framework(node.module))
     return found - {None}
+
+
+def _package_framework(module: str) -> str | None:
+    package = module.split(".")[0]
+    if package == "keras":  # Keras 3 runs on the backend its users choose
+        backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+        return backend if backend in ("tensorflow", "torch") else None
+    return _PACKAGES.get(package)
 
 
 def _framework_of(value: Any) -> str | None:
     if isinstance(value, types.ModuleType):
-        return _PACKAGES.get(value.__name__.split(".")[0])
+        return _package_framework(value.__name__)
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
-        return _PACKAGES.get((value.__module__ or "").split(".")[0])
+        return _package_framework(value.__module__ or "")
     # A value or a class: the first framework in its class's ancestry (a notebook class
     # of `__main__` subclasses keras.Model or paddle.nn.Layer).
     for cls in (value if isinstance(value, type) else type(value)).__mro__:
-        if (framework := _PACKAGES.get(cls.__module__.split(".")[0])) is not None:
+        if (framework := _package_framework(cls.__module__)) is not None:
             return framework
     return None
 

@@ -80,11 +80,13 @@ def _wrap_once() -> None:
 
     class DataParallel(original):  # type: ignore[misc, valid-type]
         def __new__(cls, layers, *args, **kwargs):
+            if isinstance(layers, original):  # `model = DataParallel(model)`, run again
+                return layers
             found = wrappers.get(id(layers))
             return found if found is not None else super().__new__(cls)
 
         def __init__(self, layers, *args, **kwargs):
-            if wrappers.get(id(layers)) is self:
+            if self is layers or wrappers.get(id(layers)) is self:
                 return
             super().__init__(layers, *args, **kwargs)
             wrappers[id(layers)] = self  # the wrapper holds the model: its id stays its own

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -35,14 +36,14 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
                                           "task": {"type": "worker", "index": place.rank}})
     import tensorflow as tf
 
+    if place.device.type == "cuda":  # this rank's GPU only, as for torch (before TensorFlow sees any)
+        gpus = tf.config.list_physical_devices("GPU")
+        tf.config.set_visible_devices(gpus[place.device.index or 0] if gpus else [], "GPU")
     original = tf.distribute.MultiWorkerMirroredStrategy
-    if getattr(original, "_jupyter_scale", False):  # formed by an earlier session of this worker
-        raise FrameworkError("this worker's TensorFlow group belongs to an earlier cluster: %scale restart")
 
     class MultiWorkerMirroredStrategy(original):  # type: ignore[misc, valid-type]
-        """The worker's one strategy: the first call forms it, later calls get it."""
+        """The worker's one strategy: formed here, and what the cell's calls get."""
 
-        _jupyter_scale = True
         _formed = None
 
         def __new__(cls, *args, **kwargs):
@@ -50,6 +51,9 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
 
         def __init__(self, *args, **kwargs):
             if type(self)._formed is self:
+                if args or kwargs:
+                    warnings.warn("jupyter_scale: the worker's MultiWorkerMirroredStrategy was formed before the "
+                                  "cell ran; the arguments given to it here do not apply", stacklevel=2)
                 return
             super().__init__(*args, **kwargs)
             type(self)._formed = self
