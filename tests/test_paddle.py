@@ -2,8 +2,8 @@
 real ipyparallel cluster; Paddle's own data-parallel API (DataParallel, DistributedBatchSampler)."""
 
 import importlib.util
-import threading
 
+import framework_cells
 import pytest
 
 from conftest import _started_kernel, _stop_and_check
@@ -34,6 +34,10 @@ def same_everywhere(ranks, notebook):
 
 paddle.seed(0)
 model = Net()
+
+def weights_now():
+    return [v.numpy().copy() for v in model.state_dict().values()]
+
 before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
 """
 
@@ -107,42 +111,11 @@ def test_two_workers_train_with_dataparallel_and_the_notebook_layer_gets_rank_0s
 
 
 def test_an_error_on_rank_1_names_it_and_the_next_cell_trains_on_fresh_workers(kernel):
-    pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
-    kernel.ok("snapshot = {k: v.numpy().copy() for k, v in model.state_dict().items()}")
-    out = kernel.cell(train(3).replace("    losses = [", "    if rank == 1 and epoch == 1:\n"
-                                       "        raise ValueError('bad batch on rank 1')\n    losses = ["), timeout=240)
-    assert not out.ok
-    # Paddle ends rank 0's process when rank 1 cuts the group's connections: a consequence,
-    # not the cause, and its worker is replaced at the next cell.
-    assert out.error["ename"] in ("RemoteError", "WorkerDied"), out.error_text
-    assert out.error["evalue"].startswith("rank 1 failed: ValueError"), out.error_text
-    assert "bad batch on rank 1" in out.error_text
-    # The notebook's model is as it was (a failed cell brings nothing back).
-    assert kernel.value("all(np.array_equal(v, model.state_dict()[k].numpy()) for k, v in snapshot.items())") is True
-    out = kernel.cell(train(1), timeout=300)
-    assert out.ok, out.error_text
-    assert "restarting the" in out.stdout + out.stderr
-    assert kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]") != pids
-    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+    framework_cells.error_on_rank_1_is_named_and_the_next_cell_trains_on_fresh_workers(kernel, train, SAME_ON_BOTH_RANKS)
 
 
 def test_an_interrupt_stops_both_ranks_and_the_next_cell_works(kernel):
-    timer = threading.Timer(3.0, kernel.manager.interrupt_kernel)
-
-    def on_stream(name, text):
-        if "epoch" in text and not timer.is_alive() and not timer.finished.is_set():
-            timer.start()
-
-    try:
-        out = kernel.cell(train(10_000).replace("report(", "print('epoch', epoch, flush=True)\n    report("),
-                          timeout=240, on_stream=on_stream)
-    finally:
-        timer.cancel()
-    assert timer.finished.is_set(), "training never started"
-    assert not out.ok and out.error["ename"] == "KeyboardInterrupt", out.error_text
-    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "interrupted"
-    kernel.ok(train(1), timeout=300)
-    assert kernel.value(SAME_ON_BOTH_RANKS) is True
+    framework_cells.interrupt_stops_both_ranks_and_the_next_cell_trains(kernel, train, SAME_ON_BOTH_RANKS)
 
 
 def test_state_that_does_not_fit_leaves_the_notebook_layer_unchanged_and_parameters_travel_as_parameters(kernel):

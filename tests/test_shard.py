@@ -463,8 +463,11 @@ assert 0.005 < nano.wte.weight.std().item() < 0.05
 
 
 def test_on_one_worker_shard_materializes_a_meta_model_and_trains_it_whole(k):
+    # One worker: no automatic seeding, so seeded here (some draws of the weights and the
+    # shuffle learn too little in 60 steps to tell)
     k.ok("%%distribute --workers 1 --shard\n"
          "import jupyter_scale.training as training\n"
+         "torch.manual_seed(0)\n"
          "with torch.device('meta'):\n"
          "    solo = Tied()\n"
          "opt = torch.optim.SGD(solo.parameters(), lr=0.1)\n"
