@@ -575,7 +575,7 @@ def _framework_group(name: str) -> frameworks.Group:
     master = layout["master_addr"]
     place = frameworks.Place(
         rank=_state.rank, world_size=_state.world_size, local_rank=_state.local_rank,
-        local_world_size=_state.local_world_size, node_rank=layout.get("group_rank", 0),
+        local_world_size=_state.local_world_size,
         nodes=layout.get("nodes", 1), device=_state.device,
         address=master if master == rendezvous.LOOPBACK else rendezvous.source_address(master) or master)
     group, sockets = frameworks.form(name, place, rendezvous.all_gather_json)

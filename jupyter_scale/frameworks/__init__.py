@@ -119,7 +119,6 @@ class Place:
     world_size: int
     local_rank: int
     local_world_size: int
-    node_rank: int
     nodes: int
     address: str  # this rank's address that the others reach (127.0.0.1 on one host)
     device: Any  # torch.device: cpu, or the rank's GPU
