@@ -1,7 +1,8 @@
-"""nbval runs every example notebook. Two of them need something that only the tests make, made
-here before the notebook's kernel starts (so that the kernel inherits where to find it) and
-removed after its last cell; where it cannot be made here, that notebook's cells are skipped
-with the reason:
+"""nbval runs every example notebook. horovod.ipynb's cells are skipped, with the reason, where
+Horovod is not installed (it is built from source: scripts/build_horovod.sh). Two of them need
+something that only the tests make, made here before the notebook's kernel starts (so that the
+kernel inherits where to find it) and removed after its last cell; where it cannot be made here,
+that notebook's cells are skipped with the reason:
 
 - multihost.ipynb attaches to a cluster across hosts: one is made on network-namespace hosts
   (tests/hosts.py), its client file in $JUPYTER_SCALE_EXAMPLE_CLUSTER; it is stopped after the
@@ -11,6 +12,7 @@ with the reason:
   kernel has stopped, so the kernel never talks to a Slurm that is gone.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 MULTIHOST = "multihost.ipynb"
 SLURM = "slurm.ipynb"
+HOROVOD = "horovod.ipynb"
 _made: dict = {}
 
 
@@ -34,6 +37,8 @@ def _is_multihost(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before nbval's setup starts the notebook's kernel
 def pytest_runtest_setup(item):
+    if _is_notebook(item, HOROVOD) and importlib.util.find_spec("horovod") is None:
+        pytest.skip("horovod is not installed (scripts/build_horovod.sh builds it)")
     if _is_notebook(item, SLURM):
         _start_slurm()
     if not _is_multihost(item) or "cluster" in _made:

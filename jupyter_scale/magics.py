@@ -150,8 +150,9 @@ class ScaleMagics(Magics):
     @argument("--cpu-offload", action="store_true",
               help="with --shard: keep the shards in CPU memory between uses (FSDP2's CPUOffloadPolicy; GPUs only)")
     @argument("--framework", choices=list(frameworks.FRAMEWORKS), default=None,
-              help="whose process group the cell uses: torch (automatic mode), or tensorflow or paddle, set up as "
-                   "their launchers do (TF_CONFIG, PADDLE_*); default: the one the cell uses")
+              help="whose process group the cell uses: torch (automatic mode), or tensorflow, paddle or horovod, set "
+                   "up as their launchers do (TF_CONFIG, PADDLE_*, horovodrun's gloo rendezvous); default: the one "
+                   "the cell uses")
     @argument("--export", default=None, metavar="DIR",
               help="do not run the cell: write it, with the notebook code and values it needs, as a job "
                    "directory (train.py for torchrun, job.sbatch, Kubeflow and KubeRay manifests); see %%scale export")

@@ -629,18 +629,19 @@ class ScaleSession(LoggingConfigurable):
 
     def _check_framework(self, framework: str, shard: bool | dict) -> None:
         if shard:
-            raise DistributeError("--shard is torch's (FSDP2); a tensorflow or paddle cell shards with its own API")
-        if framework == "horovod":
-            raise DistributeError("Horovod cells are not supported yet (see README, Frameworks)")
+            raise DistributeError(f"--shard is for torch cells (FSDP2), not {framework} ones")
         if self.connection is not None:
             raise DistributeError(f"{framework} cells run on workers this session starts: a connected cluster's "
                                   "processes outlive the session, and a framework's group formed in them with them")
         if not self.allow_unauthenticated_servers:
-            what = {"tensorflow": "TensorFlow's server (TF_CONFIG) runs any graph anyone sends it",
+            what = {"tensorflow": "TensorFlow's server (TF_CONFIG) runs any graph anyone sends it, and listens on "
+                                  "every interface",
                     "paddle": "PaddlePaddle's store (PADDLE_MASTER) serves anyone, who can then stall or break "
-                              "the group"}[framework]
+                              "the group, and listens on every interface",
+                    "horovod": "Horovod's gloo rendezvous and connections take anyone, who can then join or break "
+                               "the group"}[framework]
             raise DistributeError(
-                f"{what}, and listens on every interface: on a machine that others use, they could reach it. "
+                f"{what}: on a machine that others use, they could reach it. "
                 "Where every user and host is trusted: %config ScaleSession.allow_unauthenticated_servers = True "
                 "(see README, Frameworks)")
 

@@ -8,8 +8,7 @@ the exchanges below); another framework's group is formed on the workers from it
 the first time a cell of that framework runs, and reused by the next cells (see `worker`).
 
 Kernel side: `choose` (the cell's framework) and `is_model`. Worker side: `form` and, one
-module each, imported only where that framework runs: `tensorflow`, `paddle`. (Horovod is
-named, to be refused in one line: its release does not build against this torch.)
+module each, imported only where that framework runs: `tensorflow`, `paddle`, `horovod`.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
+
+from .. import rendezvous
 
 FRAMEWORKS = ("torch", "tensorflow", "paddle", "horovod")
 # A module's top-level package, and the framework whose training it means.
@@ -125,7 +126,8 @@ class Place:
 
 
 class Group(Protocol):
-    """A worker-side framework module (`tensorflow`, `paddle`)."""
+    """A worker-side framework module (`tensorflow`, `paddle`, `horovod`). `weights` is for
+    models of the framework's own (not Horovod's: it trains torch models)."""
 
     def form(self, place: Place, gather: Callable[[Any], list]) -> set[int]: ...
     def receiving(self) -> AbstractContextManager: ...
@@ -155,6 +157,18 @@ def form(name: str, place: Place, gather: Callable[[Any], list]) -> tuple[Group,
 def formed(name: str) -> Group | None:
     found = _formed.get(name)
     return found[0] if found else None
+
+
+def connections_between_ranks(opened: set[int], gather: Callable[[Any], list], except_port: int | None = None
+                              ) -> set[int]:
+    """Of the TCP connections `opened` (socket inodes) while a framework formed its group,
+    those between ranks: whose far end another rank opened too (not a server's, nor the
+    engine's own), and neither end on `except_port`. An abort cuts them."""
+    endpoints = {inode: ends for inode, ends in rendezvous.tcp_endpoints(opened).items() if ends[1] is not None}
+    mine = [list(local) for local, _ in endpoints.values()]
+    theirs = {tuple(local) for ends in gather(mine) for local in ends} - {tuple(e) for e in mine}
+    return {inode for inode, (local, remote) in endpoints.items()
+            if tuple(remote) in theirs and except_port not in (local[1], remote[1])}
 
 
 def abort_all() -> None:

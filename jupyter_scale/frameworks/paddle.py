@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from .. import rendezvous
-from . import FrameworkError, Place
+from . import FrameworkError, Place, connections_between_ranks
 
 _group_sockets: set[int] = set()
 
@@ -65,7 +65,9 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
     _wrap_once()
     before = rendezvous.tcp_socket_inodes()
     dist.init_parallel_env()
-    _group_sockets.update(_between_ranks(rendezvous.tcp_socket_inodes() - before, master, gather))
+    opened = rendezvous.tcp_socket_inodes() - before
+    # Not the store's connections: Paddle aborts the process when one breaks.
+    _group_sockets.update(connections_between_ranks(opened, gather, except_port=master))
     return set(_group_sockets)
 
 
@@ -111,17 +113,6 @@ def _parameter(tensor: Any, trainable: bool, name: str) -> Any:
     from paddle.base.framework import EagerParamBase
 
     return EagerParamBase.from_tensor(tensor, trainable=trainable, name=name)
-
-
-def _between_ranks(opened: set[int], master_port: int, gather: Callable[[Any], list]) -> set[int]:
-    """Of the connections opened while forming the group, gloo's between ranks: those
-    whose far end another rank opened too. Not the store's (Paddle aborts the process
-    when its store connection breaks), nor the engine's own."""
-    endpoints = {inode: ends for inode, ends in rendezvous.tcp_endpoints(opened).items() if ends[1] is not None}
-    mine = [list(local) for local, _ in endpoints.values()]
-    theirs = {tuple(local) for ends in gather(mine) for local in ends} - {tuple(e) for e in mine}
-    return {inode for inode, (local, remote) in endpoints.items()
-            if tuple(remote) in theirs and master_port not in (local[1], remote[1])}
 
 
 def receiving() -> AbstractContextManager:

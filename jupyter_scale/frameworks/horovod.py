@@ -1,0 +1,123 @@
+"""Horovod on the workers, over gloo: the rendezvous and the variables that `horovodrun`
+gives its workers, then `hvd.init()`, once per process (a second `hvd.init()`, the cell's
+own, does nothing).
+
+`horovodrun` serves the rendezvous from its driver; here rank 0 serves it, on the address
+the other ranks reach, and only until every rank has joined. Horovod trains the torch
+model the cell uses (`horovod.torch`): it comes back to the notebook as a torch model does.
+That rendezvous, and gloo's connections after it, take anyone who connects: the kernel
+forms this group only where the user allows that (see session.allow_unauthenticated_servers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from .. import rendezvous
+from . import FrameworkError, Place, connections_between_ranks
+
+_group_sockets: set[int] = set()
+
+
+def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise FrameworkError(f"Horovod for PyTorch cannot be imported on this worker ({exc}): see README, "
+                             "Frameworks, for how to build it") from None
+    if not hvd.gloo_built():
+        raise FrameworkError("this worker's Horovod was built without gloo (HOROVOD_WITH_GLOO=1)")
+    _latest_optimizer_hooks()
+    # Who is where, as horovodrun's host assignment says it: a host is an address the
+    # others reach (names need not resolve), its ranks numbered locally and across hosts.
+    hosts = gather([place.address, place.local_rank, place.local_world_size])
+    addresses = list(dict.fromkeys(address for address, _, _ in hosts))
+    taken = {(address, local_rank) for address, local_rank, _ in hosts}
+    slots = []
+    for rank, (address, local_rank, local_size) in enumerate(hosts):
+        across = [a for a in addresses if (a, local_rank) in taken]  # the hosts with a rank of this local rank
+        slots.append(_Slot(rank, address, local_rank, local_size, cross_rank=across.index(address),
+                           cross_size=len(across), size=place.world_size))
+    server = _serve_rendezvous(place.address, slots) if place.rank == 0 else None
+    try:
+        port = gather(server.server_address[1] if server else None)[0]
+        mine = slots[place.rank]
+        os.environ.update(
+            HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts[0][0], HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+            HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+            HOROVOD_GLOO_IFACE=rendezvous.interface_of(place.address) or rendezvous.loopback_interface() or "lo",
+            HOROVOD_HOSTNAME=mine.hostname, HOROVOD_RANK=str(place.rank), HOROVOD_SIZE=str(place.world_size),
+            HOROVOD_LOCAL_RANK=str(mine.local_rank), HOROVOD_LOCAL_SIZE=str(mine.local_size),
+            HOROVOD_CROSS_RANK=str(mine.cross_rank), HOROVOD_CROSS_SIZE=str(mine.cross_size),
+        )
+        before = rendezvous.tcp_socket_inodes()
+        hvd.init()
+        opened = rendezvous.tcp_socket_inodes() - before
+        gather(None)  # every rank has joined: the rendezvous is done with
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    _group_sockets.update(connections_between_ranks(opened, gather))
+    return set(_group_sockets)
+
+
+class _Slot:
+    """A rank's place as Horovod's rendezvous server reads it (horovod's SlotInfo)."""
+
+    def __init__(self, rank: int, hostname: str, local_rank: int, local_size: int, cross_rank: int,
+                 cross_size: int, size: int):
+        self.rank, self.hostname, self.size = rank, hostname, size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.cross_rank, self.cross_size = cross_rank, cross_size
+
+
+def _serve_rendezvous(address: str, slots: list[_Slot]) -> Any:
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    server = RendezvousHTTPServer((address, 0), RendezvousHandler, 0)  # horovodrun's binds every interface
+    server.init(slots)
+    threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True).start()
+    return server
+
+
+def _latest_optimizer_hooks() -> None:
+    """A parameter's gradient goes to the DistributedOptimizer made over it last. A cell run
+    again wraps a new optimizer over the model the worker kept; the first one's hooks would
+    still fire, and Horovod refuses a second allreduce of the same name in one step."""
+    from horovod.torch import optimizer
+
+    latest: dict[int, weakref.ref] = {}  # id(parameter) -> its newest optimizer (tensors are no dict keys)
+
+    def only_for_latest(make_hook: Callable) -> Callable:
+        def _make_hook(self: Any, p: Any) -> Callable:
+            hook = make_hook(self, p)
+            latest[id(p)] = weakref.ref(self)
+
+            def latest_only(*args: Any) -> Any:
+                if latest[id(p)]() is self:
+                    return hook(*args)
+                return None
+
+            return latest_only
+
+        return _make_hook
+
+    # DistributedOptimizer() makes its class from a copy of these classes' dicts.
+    for cls in (optimizer._DistributedOptimizer, optimizer._DistributedAdasumOptimizer):
+        cls._make_hook = only_for_latest(cls._make_hook)
+
+
+def receiving() -> AbstractContextManager:
+    return nullcontext()
+
+
+def abort() -> None:
+    """Shut gloo's connections between ranks: Horovod fails the collective it is blocked in."""
+    rendezvous.cut_connections(_group_sockets)
+
