@@ -94,10 +94,15 @@ def test_two_workers_train_with_distributed_optimizer_and_the_notebook_model_get
     assert kernel.value("len(jupyter_scale.history())") == 8  # report() as for torch: a point per epoch per rank
     # Horovod's ranks are the cluster's, with horovodrun's variables; its group is formed once
     # and the next cell's hvd.init() keeps it.
-    kernel.ok("%%distribute\nimport os\nplace = [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "
-              "hvd.cross_rank(), hvd.cross_size(), rank]\nhvd.init()\n"
-              "env = {k: v for k, v in os.environ.items() if k.startswith('HOROVOD_')}", timeout=120)
-    assert kernel.value("jupyter_scale.get_session().gather('place')") == [[0, 2, 0, 2, 0, 1, 0], [1, 2, 1, 2, 0, 1, 1]]
+    out = kernel.cell("%%distribute\nimport os\nimport horovod.torch as hvd\nhvd.init()\n"
+                      "hvd.shutdown()  # kept for the next cells, with a warning\n"
+                      "place = [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), "
+                      "hvd.cross_size(), rank, hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum).item()]\n"
+                      "env = {k: v for k, v in os.environ.items() if k.startswith('HOROVOD_')}", timeout=120)
+    assert out.ok and "hvd.shutdown() does nothing" in out.stdout + out.stderr, out.error_text
+    assert kernel.value("jupyter_scale.get_session().runs[-1].framework") == "horovod"
+    assert kernel.value("jupyter_scale.get_session().gather('place')") == [[0, 2, 0, 2, 0, 1, 0, 3.0],
+                                                                           [1, 2, 1, 2, 0, 1, 1, 3.0]]
     env = kernel.value("jupyter_scale.get_session().gather('env')")
     assert env[0]["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1" and env[0]["HOROVOD_GLOO_IFACE"] == "lo"
     assert env[0]["HOROVOD_CONTROLLER"] == env[0]["HOROVOD_CPU_OPERATIONS"] == "gloo"
@@ -116,6 +121,13 @@ def test_the_rendezvous_is_closed_once_every_rank_has_joined(kernel):
          "except ConnectionRefusedError:\n    print('refused')\n", str(port)],
         capture_output=True, text=True, timeout=60, env={"PATH": os.environ.get("PATH", "")})
     assert stranger.stdout.strip() == "refused", stranger
+
+
+def test_process_sets_are_refused_in_one_line_and_the_next_cell_trains(kernel):
+    out = kernel.cell("%%distribute\nimport horovod.torch as hvd\nhvd.init(process_sets='dynamic')", timeout=120)
+    assert not out.ok and "process_sets" in out.error["evalue"] and "rank 0" in out.error["evalue"], out.error_text
+    kernel.ok(train(1), timeout=300)
+    assert kernel.value(SAME_ON_BOTH_RANKS) is True
 
 
 def test_an_error_on_rank_1_names_it_and_the_next_cell_trains_on_fresh_workers(kernel):

@@ -71,12 +71,14 @@ print("the loss went down:", loss_after < loss_before / 4)"""),
 ignore("jupyter_scale.history(as_frame=True).groupby(\"rank\").tail(1)"),
 md("""## Once per worker
 
-`hvd.init()` in the next cell keeps the group formed before, with the ranks of the cluster. Running
-the training cell again wraps a new `DistributedOptimizer` over the same model: only the newest one
-averages its gradients (two would each hook the same parameters, which Horovod refuses). After a
-failed or interrupted cell, the next Horovod cell starts fresh workers."""),
+`hvd.init()` in the next cell gets the group formed before, with the ranks of the cluster, and
+`hvd.shutdown()` leaves it to the next cells. Running the training cell again wraps a new
+`DistributedOptimizer` over the same model: the newest one takes over its gradients (the hooks of
+two would each start the same allreduce, which Horovod refuses). After a failed or interrupted
+cell, the next Horovod cell starts fresh workers."""),
 code("""%%distribute
 import os
+import horovod.torch as hvd
 hvd.init()
 place = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
          "rendezvous": os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]}"""),

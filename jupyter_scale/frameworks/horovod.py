@@ -1,6 +1,6 @@
 """Horovod on the workers, over gloo: the rendezvous and the variables that `horovodrun`
-gives its workers, then `hvd.init()`, once per process (a second `hvd.init()`, the cell's
-own, does nothing).
+gives its workers, then `hvd.init()`, once per process: the cell's own `hvd.init()` gets
+that group, and its `hvd.shutdown()` leaves it to the next cells.
 
 `horovodrun` serves the rendezvous from its driver; here rank 0 serves it, on the address
 the other ranks reach, and only until every rank has joined. Horovod trains the torch
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -35,11 +36,20 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
     _latest_optimizer_hooks()
     # Who is where, as horovodrun's host assignment says it: a host is an address the
     # others reach (names need not resolve), its ranks numbered locally and across hosts.
-    hosts = gather([place.address, place.local_rank, place.local_world_size])
-    addresses = list(dict.fromkeys(address for address, _, _ in hosts))
-    taken = {(address, local_rank) for address, local_rank, _ in hosts}
+    # Every rank checks what every rank said, so that all refuse together or none does.
+    iface = rendezvous.interface_of(place.address) or (
+        rendezvous.loopback_interface() if place.address == rendezvous.LOOPBACK else None)
+    hosts = gather([place.address, place.local_rank, place.local_world_size, iface])
+    if missing := [rank for rank, (*_, found) in enumerate(hosts) if found is None]:
+        raise FrameworkError(f"no network interface holds the address of rank(s) {missing} "
+                             f"({', '.join(hosts[r][0] for r in missing)}): Horovod's gloo needs one")
+    addresses = list(dict.fromkeys(address for address, *_ in hosts))
+    taken = {(address, local_rank) for address, local_rank, *_ in hosts}
+    if len(taken) < len(hosts):  # two hosts behind one address: Horovod could not tell them apart
+        raise FrameworkError("two ranks on different machines reach the others from one address, "
+                             "which Horovod takes for one host")
     slots = []
-    for rank, (address, local_rank, local_size) in enumerate(hosts):
+    for rank, (address, local_rank, local_size, _) in enumerate(hosts):
         across = [a for a in addresses if (a, local_rank) in taken]  # the hosts with a rank of this local rank
         slots.append(_Slot(rank, address, local_rank, local_size, cross_rank=across.index(address),
                            cross_size=len(across), size=place.world_size))
@@ -50,7 +60,7 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
         os.environ.update(
             HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts[0][0], HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
             HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
-            HOROVOD_GLOO_IFACE=rendezvous.interface_of(place.address) or rendezvous.loopback_interface() or "lo",
+            HOROVOD_GLOO_IFACE=iface,
             HOROVOD_HOSTNAME=mine.hostname, HOROVOD_RANK=str(place.rank), HOROVOD_SIZE=str(place.world_size),
             HOROVOD_LOCAL_RANK=str(mine.local_rank), HOROVOD_LOCAL_SIZE=str(mine.local_size),
             HOROVOD_CROSS_RANK=str(mine.cross_rank), HOROVOD_CROSS_SIZE=str(mine.cross_size),
@@ -63,8 +73,28 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
         if server is not None:
             server.shutdown()
             server.server_close()
+    _keep_for_the_next_cells(hvd)
     _group_sockets.update(connections_between_ranks(opened, gather))
     return set(_group_sockets)
+
+
+def _keep_for_the_next_cells(hvd: Any) -> None:
+    """The cell's `hvd.init()` gets the group formed here, and `hvd.shutdown()` leaves it to
+    the next cells: a second rendezvous cannot happen (its server is closed)."""
+    from horovod.torch import mpi_ops
+
+    def init(comm: Any = None, process_sets: Any = None) -> None:
+        if comm or process_sets:
+            raise FrameworkError("Horovod's group was formed before the cell ran, of every rank and without "
+                                 "process sets: hvd.init(comm=..., process_sets=...) cannot apply (see README, "
+                                 "Frameworks)")
+
+    def shutdown() -> None:
+        warnings.warn("jupyter_scale: Horovod's group is kept for the next cells; hvd.shutdown() does nothing "
+                      "(%scale restart ends the workers)", stacklevel=2)
+
+    for module in (hvd, mpi_ops):  # `hvd.init` is mpi_ops' own, imported into horovod.torch
+        module.init, module.shutdown = init, shutdown
 
 
 class _Slot:
@@ -87,9 +117,10 @@ def _serve_rendezvous(address: str, slots: list[_Slot]) -> Any:
 
 
 def _latest_optimizer_hooks() -> None:
-    """A parameter's gradient goes to the DistributedOptimizer made over it last. A cell run
-    again wraps a new optimizer over the model the worker kept; the first one's hooks would
-    still fire, and Horovod refuses a second allreduce of the same name in one step."""
+    """Only the DistributedOptimizer made over a parameter last starts its allreduce during
+    backward. A cell run again wraps a new optimizer over the model the worker kept; the
+    first one's hooks would still fire, and Horovod refuses a second allreduce of the same
+    name in one step. (An older optimizer that is still stepped averages in its step.)"""
     from horovod.torch import optimizer
 
     latest: dict[int, weakref.ref] = {}  # id(parameter) -> its newest optimizer (tensors are no dict keys)
@@ -97,6 +128,8 @@ def _latest_optimizer_hooks() -> None:
     def only_for_latest(make_hook: Callable) -> Callable:
         def _make_hook(self: Any, p: Any) -> Callable:
             hook = make_hook(self, p)
+            if id(p) not in latest:
+                weakref.finalize(p, latest.pop, id(p), None)
             latest[id(p)] = weakref.ref(self)
 
             def latest_only(*args: Any) -> Any:
