@@ -119,6 +119,9 @@ class ScaleSession(LoggingConfigurable):
         # restarts the workers, as neither TensorFlow nor Paddle forms a group twice.
         self._framework_groups: set[str] = set()
         self._spent_frameworks: set[str] = set()
+        # Names a cell of another framework than torch bound on the workers -> that framework:
+        # a later cell that reads them (and imports nothing) is that framework's too.
+        self._bound_by_framework: dict[str, str] = {}
         self._cell: CellRun | None = None  # the running (or last) cell's wait
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
         # Set by connect(): (backend name, where) of a running cluster to attach to instead
@@ -392,6 +395,7 @@ class ScaleSession(LoggingConfigurable):
     def _forget_workers(self) -> None:
         self._lost_workers = []
         self._framework_groups, self._spent_frameworks = set(), set()
+        self._bound_by_framework = {}
         self.workers = []
         self.group = {}
         self.shared_memory = False
@@ -530,8 +534,10 @@ class ScaleSession(LoggingConfigurable):
         code = self._transform(code)
         pull = list(pull)
         names = self._names_to_ship(code)
+        held = {self._bound_by_framework[n] for n in shipping.free_names(code)
+                if n in self._bound_by_framework and n not in self.namespace}
         try:
-            framework = frameworks.choose(code, self.namespace, names, framework)
+            framework = frameworks.choose(code, self.namespace, names, framework, held)
         except frameworks.FrameworkError as exc:
             raise DistributeError(str(exc)) from None
         if framework != "torch":
@@ -794,8 +800,13 @@ class ScaleSession(LoggingConfigurable):
             self.shipper.discard()  # some rank may not hold the new values: send again
         # Names the cell bound on the workers are theirs until the notebook writes them
         # (the pull-back below makes pulled names the notebook's again).
-        self.shipper.workers_rebound(
-            sorted({n for h in headers.values() for n in h.get("rebound", ()) if self._shippable(n)}), plan)
+        rebound = sorted({n for h in headers.values() for n in h.get("rebound", ()) if self._shippable(n)})
+        self.shipper.workers_rebound(rebound, plan)
+        for name in rebound:
+            if cell.record.framework == "torch":
+                self._bound_by_framework.pop(name, None)
+            else:
+                self._bound_by_framework[name] = cell.record.framework
         if any(not h.get("group_ready", False) for h in headers.values()):
             self._group_ready = False
         if error is not None:

@@ -34,6 +34,9 @@ def test_the_cells_imports_and_the_notebook_values_it_reads_name_its_framework(m
     # Horovod runs over torch or TensorFlow: it wins; torch tensors are not a framework of their own
     assert choose("import horovod.torch as hvd\nimport torch", {}, []) == "horovod"
     assert choose("import torch\nx = torch.ones(1)", {}, []) == "torch"
+    # Names an earlier cell bound on the workers count with the framework of that cell
+    assert choose("print(hvd.rank())", {}, [], held={"horovod"}) == "horovod"
+    assert choose("strategy.run(step)", {}, [], held={"tensorflow"}) == "tensorflow"
 
 
 def test_a_cell_that_uses_two_frameworks_must_name_one_and_a_named_one_wins():

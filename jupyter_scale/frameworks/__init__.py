@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -35,11 +35,13 @@ class FrameworkError(ValueError):
     """The cell's framework cannot be told, or its group cannot be formed on this worker."""
 
 
-def choose(code: str, namespace: dict, free: list[str], named: str | None = None) -> str:
+def choose(code: str, namespace: dict, free: list[str], named: str | None = None,
+           held: Collection[str] = ()) -> str:
     """The cell's framework: `named` (--framework) if given, else the one the cell uses.
 
     Used means imported by the cell, or read from the notebook: a module (`tf`), or a
-    value, class or function that one defines (a Keras model). Horovod runs over another
+    value, class or function that one defines (a Keras model); `held`: the frameworks of
+    the cells that bound the workers' own names the cell reads. Horovod runs over another
     framework, so it wins; otherwise torch is the default, and a cell that uses two of
     them (a TensorFlow model fed torch tensors) must name one.
     """
@@ -47,7 +49,7 @@ def choose(code: str, namespace: dict, free: list[str], named: str | None = None
         if named not in FRAMEWORKS:
             raise FrameworkError(f"unknown framework {named!r} (one of {', '.join(FRAMEWORKS)})")
         return named
-    used = _imported(code) | {_framework_of(namespace[n]) for n in free if n in namespace} - {None}
+    used = _imported(code) | {_framework_of(namespace[n]) for n in free if n in namespace} - {None} | set(held)
     if "horovod" in used:
         return "horovod"
     others = sorted(used - {"torch"})
