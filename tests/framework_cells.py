@@ -1,10 +1,30 @@
-"""What a TensorFlow cell and a Paddle cell must both survive (tests/test_tensorflow.py and
-tests/test_paddle.py run these on their own kernels): an error on rank 1 and the user's
-interrupt. The notebook defines `weights_now()`, its model's weights as NumPy arrays; `train(n)`
-is a %%distribute cell of n epochs that reports each; `same` is an expression that is True when
+"""What every framework's cells must do (tests/test_tensorflow.py, test_paddle.py and
+test_horovod.py run these on their own kernels): be refused until the user allows servers
+without authentication, train and bring the weights back, name the rank that failed, and stop
+on the user's interrupt. The notebook defines `weights_now()`, its model's weights as NumPy
+arrays, and `before`, those weights before training; `train(n)` is a %%distribute cell of n
+epochs that reports each and keeps `epoch_losses`; `same` is an expression that is True when
 both ranks and the notebook hold the same weights."""
 
 import threading
+
+
+def refused_until_allowed(kernel, cell):
+    out = kernel.cell(cell)
+    assert not out.ok and "allow_unauthenticated_servers" in out.error["evalue"], out.error_text
+    assert len(out.error["traceback"]) == 1  # one line
+    assert kernel.value("jupyter_scale.get_session().running") is False  # nothing started, nothing listens
+
+
+def trains_and_brings_rank_0s_weights_back(kernel, notebook, train, same):
+    """Allowed, 2 workers train 4 epochs; returns each rank's epoch losses."""
+    kernel.ok("%config ScaleSession.allow_unauthenticated_servers = True\n" + notebook, timeout=120)
+    kernel.ok(train(4), timeout=240)
+    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "finished"
+    assert kernel.value(same) is True
+    assert kernel.value("any((a != b).any() for a, b in zip(before, weights_now()))") is True
+    assert kernel.value("len(jupyter_scale.history())") == 8  # report() as for torch: a point per epoch per rank
+    return kernel.value("jupyter_scale.get_session().gather('epoch_losses')")
 
 
 def error_on_rank_1_is_named_and_the_next_cell_trains_on_fresh_workers(kernel, train, same):

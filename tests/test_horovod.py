@@ -76,22 +76,13 @@ def kernel():
 
 
 def test_horovod_is_refused_until_the_user_allows_its_unauthenticated_rendezvous(kernel):
-    out = kernel.cell("%%distribute --workers 2\nimport horovod.torch as hvd\nhvd.init()")
-    assert not out.ok and "allow_unauthenticated_servers" in out.error["evalue"], out.error_text
-    assert len(out.error["traceback"]) == 1  # one line
-    assert kernel.value("jupyter_scale.get_session().running") is False  # nothing started, nothing listens
+    framework_cells.refused_until_allowed(kernel, "%%distribute --workers 2\nimport horovod.torch as hvd\nhvd.init()")
 
 
 def test_two_workers_train_with_distributed_optimizer_and_the_notebook_model_gets_rank_0s_weights(kernel):
-    kernel.ok("%config ScaleSession.allow_unauthenticated_servers = True\n" + NOTEBOOK, timeout=120)
-    kernel.ok(train(4), timeout=240)
-    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "finished"
-    losses = kernel.value("jupyter_scale.get_session().gather('epoch_losses')")
+    losses = framework_cells.trains_and_brings_rank_0s_weights_back(kernel, NOTEBOOK, train, SAME_ON_BOTH_RANKS)
     assert losses[0][-1] < losses[0][0] / 4 and losses[1][-1] < losses[1][0] / 4, losses  # each rank's own batches
     assert losses[0] != losses[1]  # each rank trained on its own shard
-    assert kernel.value(SAME_ON_BOTH_RANKS) is True
-    assert kernel.value("any((a != b).any() for a, b in zip(before, weights_now()))") is True
-    assert kernel.value("len(jupyter_scale.history())") == 8  # report() as for torch: a point per epoch per rank
     # Horovod's ranks are the cluster's, with horovodrun's variables; its group is formed once
     # and the next cell's hvd.init() keeps it.
     out = kernel.cell("%%distribute\nimport os\nimport horovod.torch as hvd\nhvd.init()\n"

@@ -38,7 +38,7 @@ model = Net()
 def weights_now():
     return [v.numpy().copy() for v in model.state_dict().values()]
 
-before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+before = weights_now()
 """
 
 # As Paddle's data-parallel guide writes it; `model` is the notebook's.
@@ -82,22 +82,12 @@ def kernel():
 
 
 def test_paddle_is_refused_until_the_user_allows_its_unauthenticated_store(kernel):
-    out = kernel.cell("%%distribute --workers 2\nimport paddle\nprint(paddle.__version__)")
-    assert not out.ok and "allow_unauthenticated_servers" in out.error["evalue"], out.error_text
-    assert len(out.error["traceback"]) == 1  # one line
-    assert kernel.value("jupyter_scale.get_session().running") is False  # nothing started, nothing listens
+    framework_cells.refused_until_allowed(kernel, "%%distribute --workers 2\nimport paddle\nprint(paddle.__version__)")
 
 
 def test_two_workers_train_with_dataparallel_and_the_notebook_layer_gets_rank_0s_weights(kernel):
-    kernel.ok("%config ScaleSession.allow_unauthenticated_servers = True\n" + NOTEBOOK, timeout=120)
-    kernel.ok(train(4), timeout=240)
-    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "finished"
-    losses = kernel.value("jupyter_scale.get_session().gather('epoch_losses')")
+    losses = framework_cells.trains_and_brings_rank_0s_weights_back(kernel, NOTEBOOK, train, SAME_ON_BOTH_RANKS)
     assert losses[0][-1] < losses[0][0] / 4 and losses[1][-1] < losses[1][0] / 4, losses  # each rank's own batches
-    assert kernel.value(SAME_ON_BOTH_RANKS) is True
-    assert kernel.value("any((v != model.state_dict()[k].numpy()).any() for k, v in before.items())") is True
-    # report() and history() as for torch: a point per epoch from each rank
-    assert kernel.value("len(jupyter_scale.history())") == 8
     # The group is the worker's one: formed once, the next cell's init_parallel_env gets it again.
     kernel.ok("%%distribute\nimport os\nsame = dist.init_parallel_env() is dist.init_parallel_env()\n"
               "endpoints = [os.environ['PADDLE_MASTER'], *os.environ['PADDLE_TRAINER_ENDPOINTS'].split(',')]",

@@ -80,22 +80,12 @@ def kernel():
 
 
 def test_tensorflow_is_refused_until_the_user_allows_its_unauthenticated_server(kernel):
-    out = kernel.cell("%%distribute --workers 2\nimport tensorflow as tf\nprint(tf.__version__)")
-    assert not out.ok and "allow_unauthenticated_servers" in out.error["evalue"], out.error_text
-    assert len(out.error["traceback"]) == 1  # one line
-    assert kernel.value("jupyter_scale.get_session().running") is False  # nothing started, nothing listens
+    framework_cells.refused_until_allowed(kernel, "%%distribute --workers 2\nimport tensorflow as tf\nprint(tf.__version__)")
 
 
 def test_two_workers_train_with_the_strategy_and_the_notebook_model_gets_rank_0s_weights(kernel):
-    kernel.ok("%config ScaleSession.allow_unauthenticated_servers = True\n" + NOTEBOOK, timeout=120)
-    kernel.ok(train(4), timeout=240)
-    assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "finished"
-    losses = kernel.value("jupyter_scale.get_session().gather('epoch_losses')")
+    losses = framework_cells.trains_and_brings_rank_0s_weights_back(kernel, NOTEBOOK, train, SAME_ON_BOTH_RANKS)
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0] / 4, losses  # strategy.reduce: one loss
-    assert kernel.value(SAME_ON_BOTH_RANKS) is True
-    assert kernel.value("any((a != b).any() for a, b in zip(before, model.get_weights()))") is True
-    # report() and history() as for torch: a point per epoch from each rank
-    assert kernel.value("len(jupyter_scale.history())") == 8
     # The strategy is the worker's one: formed once, the next cell gets it again and trains on.
     kernel.ok("%%distribute\nimport json, os\nsame = tf.distribute.MultiWorkerMirroredStrategy() is strategy\n"
               "workers = json.loads(os.environ['TF_CONFIG'])['cluster']['worker']", timeout=120)
