@@ -1,4 +1,4 @@
-"""Issue 8's numbers in one command: %%distribute against the tools a user would pick, from real Jupyter kernels.
+"""The side-by-side numbers in one command: %%distribute against the tools a user would pick, from real Jupyter kernels.
 
     python benchmarks/compare.py [--sections tools,warm,report,shipping,scaling] [--repeat 3] [--steps 300]
                                  [--tools torchrun,auto,manual,px,dask,accelerate] [--ship-sizes 10,100,500]
