@@ -533,9 +533,9 @@ class ScaleSession(LoggingConfigurable):
         number = self._cell_number(code)
         code = self._transform(code)
         pull = list(pull)
-        names = self._names_to_ship(code)
-        held = {self._bound_by_framework[n] for n in shipping.free_names(code)
-                if n in self._bound_by_framework and n not in self.namespace}
+        free = self._free_names(code)
+        names = self._names_to_ship(free)
+        held = {self._bound_by_framework[n] for n in free if n in self._bound_by_framework and n not in self.namespace}
         try:
             framework = frameworks.choose(code, self.namespace, names, framework, held)
         except frameworks.FrameworkError as exc:
@@ -675,7 +675,8 @@ class ScaleSession(LoggingConfigurable):
         try:
             export.check_script_syntax(code, self._transform)
             try:
-                framework = frameworks.choose(code, self.namespace, self._names_to_ship(self._transform(code)))
+                free = self._free_names(self._transform(code))
+                framework = frameworks.choose(code, self.namespace, self._names_to_ship(free))
             except frameworks.FrameworkError:
                 framework = "more than one framework"
             if framework != "torch":
@@ -868,12 +869,16 @@ class ScaleSession(LoggingConfigurable):
             return self.shell.transform_cell(code)
         return code
 
-    def _names_to_ship(self, code: str) -> list[str]:
+    @staticmethod
+    def _free_names(code: str) -> list[str]:
         try:
-            candidates = shipping.free_names(code)
+            return shipping.free_names(code)
         except SyntaxError as exc:
             raise DistributeError(f"the cell is not valid Python: {exc}") from None
-        return [n for n in candidates if n in self.namespace and self._shippable(n)]
+
+    def _names_to_ship(self, free: list[str]) -> list[str]:
+        """Of the names a cell reads before it binds them, the notebook's that may travel."""
+        return [n for n in free if n in self.namespace and self._shippable(n)]
 
     @staticmethod
     def _shippable(name: str) -> bool:

@@ -48,11 +48,13 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
     if len(taken) < len(hosts):  # two hosts behind one address: Horovod could not tell them apart
         raise FrameworkError("two ranks on different machines reach the others from one address, "
                              "which Horovod takes for one host")
+    from horovod.runner.common.util.hosts import SlotInfo
+
     slots = []
     for rank, (address, local_rank, local_size, _) in enumerate(hosts):
         across = [a for a in addresses if (a, local_rank) in taken]  # the hosts with a rank of this local rank
-        slots.append(_Slot(rank, address, local_rank, local_size, cross_rank=across.index(address),
-                           cross_size=len(across), size=place.world_size))
+        slots.append(SlotInfo(hostname=address, rank=rank, local_rank=local_rank, cross_rank=across.index(address),
+                              size=place.world_size, local_size=local_size, cross_size=len(across)))
     server = _serve_rendezvous(place.address, slots) if place.rank == 0 else None
     try:
         port = gather(server.server_address[1] if server else None)[0]
@@ -97,17 +99,7 @@ def _keep_for_the_next_cells(hvd: Any) -> None:
         module.init, module.shutdown = init, shutdown
 
 
-class _Slot:
-    """A rank's place as Horovod's rendezvous server reads it (horovod's SlotInfo)."""
-
-    def __init__(self, rank: int, hostname: str, local_rank: int, local_size: int, cross_rank: int,
-                 cross_size: int, size: int):
-        self.rank, self.hostname, self.size = rank, hostname, size
-        self.local_rank, self.local_size = local_rank, local_size
-        self.cross_rank, self.cross_size = cross_rank, cross_size
-
-
-def _serve_rendezvous(address: str, slots: list[_Slot]) -> Any:
+def _serve_rendezvous(address: str, slots: list) -> Any:
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
     server = RendezvousHTTPServer((address, 0), RendezvousHandler, 0)  # horovodrun's binds every interface
