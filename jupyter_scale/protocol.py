@@ -56,6 +56,7 @@ class CellRequest(_CellRequired, total=False):
     """`worker.run_cell`'s request: the cell, what comes with it, and how to report."""
 
     modules: list[str]  # the notebook's models the cell uses
+    digests: dict[str, dict[str, tuple]]  # per module: state dict key -> (digest, dtype, shape) in the notebook
     pull: list[str]
     keep_sharded: bool
     auto: bool  # automatic mode
@@ -100,4 +101,5 @@ class CellReply(_ReplyRequired, total=False):
     events_dropped: int
     pulled: list  # rank 0: (names, kind, frame count or plan) per pulled value
     pull_errors: dict[str, str]
+    state_digests: dict[str, tuple]  # per module pulled as a state dict: (keys left out, key -> digest)
     shared_frames: dict | None  # rank 0's pull-back in its shared memory

@@ -37,6 +37,7 @@ class Puller:
         at = 0
         held = None
         values: dict
+        hashed: list = []
         kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
         if kept:
             print(f"jupyter_scale: {listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "
@@ -48,6 +49,7 @@ class Puller:
             if kind != "sharded":  # a sharded model's `count` is the plan of its state dict, not frames
                 stream, buffers = frames[at], frames[at + 1: at + count]
                 at += count
+                record.pulled_bytes[", ".join(names)] = sum(memoryview(f).nbytes for f in (stream, *buffers))
             try:
                 if kind == "sharded":
                     self._sharded(names[0], count)
@@ -59,9 +61,16 @@ class Puller:
                 elif kind == "state_dict":
                     # Copied into the notebook's model at once: no copy before.
                     value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
-                    check_state_dict(self.namespace[names[0]], value)  # all or nothing
+                    module = self.namespace[names[0]]
+                    same, digests = header.get("state_digests", {}).get(names[0], ([], {}))
+                    if same:  # the notebook holds these bytes already: copying a tensor onto itself is a no-op
+                        own = module.state_dict()
+                        value.update((key, own[key]) for key in same)
+                    check_state_dict(module, value)  # all or nothing
                     with torch.no_grad():
-                        self.namespace[names[0]].load_state_dict(value)
+                        module.load_state_dict(value)
+                    targets = module.state_dict(keep_vars=True)
+                    hashed = [(targets[key], digest) for key, digest in digests.items() if key in targets]
                     values = {}
                 else:
                     # The tensors the notebook sent are written into the notebook's own.
@@ -75,7 +84,7 @@ class Puller:
             for name in names:
                 record.pulled.append(name)
                 # The notebook now holds what the workers hold: don't send it back unchanged.
-                self.shipper.mark_synced(name, self.namespace[name])
+                self.shipper.mark_synced(name, self.namespace[name], hashed if kind == "state_dict" else ())
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
 

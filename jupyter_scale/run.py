@@ -44,6 +44,7 @@ class RunRecord:
     shipped: dict[str, int] = field(default_factory=dict)  # name -> bytes sent
     skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
     pulled: list[str] = field(default_factory=list)
+    pulled_bytes: dict[str, int] = field(default_factory=dict)  # what came back from rank 0, per pull
     metrics: list[dict] = field(default_factory=list)
     states: list[dict] = field(default_factory=list)  # workers' state changes, in arrival order
     lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)

@@ -584,6 +584,9 @@ class ScaleSession(LoggingConfigurable):
             "code": code,
             "filename": f"<distribute-cell-{record.index}>",
             "modules": modules,
+            # What the notebook holds of them: rank 0 sends back only the tensors that differ.
+            "digests": {n: shipping.state_digests(self.namespace[n], plan.tensors) for n in modules
+                        if isinstance(self.namespace[n], torch.nn.Module)},
             "pull": pull,
             "keep_sharded": keep_sharded,
             "auto": not manual,

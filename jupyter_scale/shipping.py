@@ -354,10 +354,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, tuple]:
         data = data.cpu()
     data = data.contiguous()
     array = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else np.empty(0, np.uint8)
+    return array, _tensor_meta(tensor)
+
+
+def _tensor_meta(tensor: torch.Tensor) -> tuple:
     requires_grad = tensor.requires_grad and tensor.grad_fn is None  # non-leaf: just data
-    meta = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), requires_grad,
+    return (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), requires_grad,
             type(tensor) is torch.nn.Parameter, tensor.device.type)
-    return array, meta
 
 
 def _build_tensor(meta: tuple, buffer, device: torch.device | None, copy: bool = True) -> torch.Tensor:
@@ -830,9 +833,11 @@ class Shipper:
         """A shipment did not reach every worker: it is prepared again next time."""
         self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
 
-    def mark_synced(self, name: str, value: Any) -> None:
-        """The workers hold what the notebook's `value` holds now (after a pull-back)."""
-        tensors: dict = {}
+    def mark_synced(self, name: str, value: Any, hashed: Iterable[tuple[torch.Tensor, bytes]] = ()) -> None:
+        """The workers hold what the notebook's `value` holds now (after a pull-back).
+        `hashed`: the notebook's tensors whose bytes rank 0 hashed as it sent them, with
+        their digests; they are not hashed again."""
+        tensors: dict = {id(obj): (obj, None, digest, _tensor_meta(obj)) for obj, digest in hashed}
         structure, keys, _, _ = self._structure(value, tensors)
         self._owned.pop(name, None)
         untracked = {}
@@ -996,16 +1001,18 @@ def _write_into(held: torch.Tensor, meta: tuple, buffer) -> torch.Tensor:
 
 
 class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
-    def __init__(self, file, namespace: dict | None, held: dict[int, int] | None, buffers: list):
+    def __init__(self, file, namespace: dict | None, held: dict[int, int] | None, arrays: dict[int, tuple] | None,
+                 buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._init_namespace(namespace)
         self.held = held or {}
+        self.arrays = arrays or {}
         self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
             return self._namespace_ref(obj)
-        array, meta = _tensor_bytes(obj)
+        array, meta = self.arrays.get(id(obj)) or _tensor_bytes(obj)
         self.tensor_buffers.append(pickle.PickleBuffer(array))
         token = self.held.get(id(obj))
         if token is not None:
@@ -1030,12 +1037,44 @@ class _ValueUnpickler(pickle.Unpickler):
         return _build_tensor(pid[1], pid[2], None, self.copy)
 
 
-def dumps(value: Any, namespace: dict | None = None, held: dict[int, int] | None = None) -> tuple[list, list[bool]]:
+def dumps(value: Any, namespace: dict | None = None, held: dict[int, int] | None = None,
+          arrays: dict[int, tuple] | None = None) -> tuple[list, list[bool]]:
     """Frames (stream, *buffers) of `value`, tensors by value, out of band; and which
     frames hold a tensor's bytes. Functions whose globals are `namespace` (the worker's)
     travel without them and resolve them in the namespace `loads` is given. A tensor in
-    `held` (id -> token: one the notebook sent) is marked with its token."""
-    return _frames(_ValuePickler, value, namespace, held)
+    `held` (id -> token: one the notebook sent) is marked with its token. `arrays` (id ->
+    its bytes and meta) are tensors' bytes made already, e.g. to hash them."""
+    return _frames(_ValuePickler, value, namespace, held, arrays)
+
+
+def state_digests(module: torch.nn.Module, tensors: dict) -> dict[str, tuple]:
+    """key -> (digest, dtype, shape) of the module's state dict entries whose tensors a
+    plan hashed (`Plan.tensors`): what the notebook holds, for rank 0 to compare with."""
+    found = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        planned = tensors.get(id(tensor))
+        if planned is not None:
+            found[key] = (planned[2], *planned[3][:2])
+    return found
+
+
+def drop_unchanged(state: dict, notebook: dict[str, tuple]) -> tuple[list[str], dict[str, bytes], dict[int, tuple]]:
+    """Take out of the state dict `state` the tensors whose bytes, dtype and shape the
+    notebook holds already (`notebook`: see state_digests). Returns the keys taken out,
+    every tensor's digest (the kernel then need not hash what it receives), and the bytes
+    made to hash them (id -> (array, meta), for `dumps`)."""
+    same, digests, arrays = [], {}, {}
+    by_storage: dict[tuple, bytes] = {}  # tied weights are hashed once
+    for key, tensor in list(state.items()):
+        if not _shippable_tensor(tensor):
+            continue
+        array, meta = arrays[id(tensor)] = _tensor_bytes(tensor)
+        where = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        digest = digests[key] = by_storage.get(where) or by_storage.setdefault(where, _digest(array))
+        if notebook.get(key) == (digest, *meta[:2]):
+            same.append(key)
+            del state[key]
+    return same, digests, arrays
 
 
 def loads(stream, buffers, copy: bool = True, namespace: dict | None = None,

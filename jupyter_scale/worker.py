@@ -557,7 +557,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     out_frames: list = []
     if rank == 0:
         tensor_frames: list[bool] = []
-        header["pulled"], header["pull_errors"] = _pack_pulls(request, out_frames, tensor_frames)
+        header["pulled"], header["pull_errors"], header["state_digests"] = _pack_pulls(request, out_frames,
+                                                                                       tensor_frames)
         if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
             _state.frames_out.keep = request["pull_through"]
             try:
@@ -612,8 +613,10 @@ def sync_buffers(names: list[str]) -> None:
     training.broadcast_buffers(_state.namespace, names)
 
 
-def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict]:
-    """Rank 0's module weights and --pull values, as (names, kind, frame count).
+def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict, dict]:
+    """Rank 0's module weights and --pull values, as (names, kind, frame count); what could
+    not be packed; and per module, the state dict keys left out (the notebook holds their
+    bytes) and every tensor's digest.
 
     Modules travel as state dicts, one each; the --pull values as one dict, so that an
     object two of them hold (a scheduler's optimizer) stays one, and a tensor the
@@ -626,11 +629,11 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
     from torch.nn.parallel import DistributedDataParallel
 
     ns = _state.namespace
-    pulled, errors = [], {}
+    pulled, errors, state_digests = [], {}, {}
 
-    def packed(value, held=None):
+    def packed(value, held=None, arrays=None):
         try:
-            return shipping.dumps(value, ns, held)
+            return shipping.dumps(value, ns, held, arrays)
         except Exception as exc:  # pickling raises many types
             return f"cannot be sent back: {type(exc).__name__}: {exc}"
 
@@ -671,13 +674,17 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
             else:
                 pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
             continue
-        frames = packed(value.state_dict())
+        # Only what the notebook does not hold already: an unchanged model costs a hash.
+        state = value.state_dict()
+        same, digests, arrays = shipping.drop_unchanged(state, request.get("digests", {}).get(name, {}))
+        frames = packed(state, arrays=arrays)
         if isinstance(frames, str):
             errors[name] = frames
             continue
         out_frames.extend(frames[0])
         tensor_frames.extend(frames[1])
         pulled.append(([name], "state_dict", len(frames[0])))
+        state_digests[name] = (same, digests)
     if values:
         held = {id(t): token for token, t in _state.receiver.tensors.items()}
         frames = packed(values, held)
@@ -692,7 +699,7 @@ def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[l
             out_frames.extend(frames[0])
             tensor_frames.extend(frames[1])
             pulled.append((list(values), "values", len(frames[0])))
-    return pulled, errors
+    return pulled, errors, state_digests
 
 
 def _holds_shards(value) -> bool:

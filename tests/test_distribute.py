@@ -209,6 +209,57 @@ def test_changed_names_are_resent_unchanged_big_tensor_is_not(kernel):
     kernel.ok("%%distribute\ndel big")
 
 
+def test_only_the_tensors_a_cell_changed_come_back(kernel):
+    kernel.ok("""
+pm = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.BatchNorm1d(256))
+def pulled():
+    run = jupyter_scale.get_session().runs[-1]
+    assert 'pm' in run.pulled, run.pulled
+    return run.pulled_bytes['pm'], run.shipped.get('pm', 0)
+def rank0_holds_the_notebooks():
+    ranks = jupyter_scale.get_session().gather('state')
+    ours = pm.state_dict()
+    assert ranks[0].keys() == ours.keys()
+    assert all(torch.equal(ranks[0][k], ours[k]) for k in ours), 'the notebook differs from rank 0'
+""")
+    whole = 2 * (256 * 256 + 256) * 4
+    # Read but not changed: no tensor comes back, only the state dict's frame.
+    kernel.ok("%%distribute\nn = sum(p.numel() for p in pm.parameters())")
+    back, _ = kernel.value("pulled()")
+    assert back < 4096, back
+    # Writes that bypass autograd's version counters (.data, NumPy) are seen: by their bytes.
+    kernel.ok("""%%distribute
+pm[0].weight.data.add_(1)
+pm[1].bias.detach().numpy()[:] = 3
+state = {k: v.clone() for k, v in pm.state_dict().items()}
+""")
+    back, _ = kernel.value("pulled()")
+    assert 256 * 256 * 4 + 256 * 4 <= back < 256 * 256 * 4 + 256 * 4 + 4096 < whole, back
+    kernel.ok("rank0_holds_the_notebooks()\nassert bool((pm[1].bias == 3).all())")
+    # The notebook's digests of what came back are rank 0's: the next cell sends nothing back
+    # and nothing out.
+    kernel.ok("%%distribute\nstate = {k: v.clone() for k, v in pm.state_dict().items()}")
+    back, shipped = kernel.value("pulled()")
+    assert back < 4096 and shipped == 0, (back, shipped)
+    # The notebook's own change goes out and does not come back.
+    kernel.ok("pm[2].weight.data.fill_(2)")
+    kernel.ok("%%distribute\nstate = {k: v.clone() for k, v in pm.state_dict().items()}")
+    back, shipped = kernel.value("pulled()")
+    assert back < 4096 and 1024 <= shipped, (back, shipped)
+    kernel.ok("rank0_holds_the_notebooks()\nassert bool((pm[2].weight == 2).all())")
+    # A training step changes everything: all of it comes back.
+    kernel.ok("""%%distribute
+opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+pm(torch.randn(8, 256)).square().mean().backward()
+opt.step()
+state = {k: v.clone() for k, v in pm.state_dict().items()}
+""")
+    back, _ = kernel.value("pulled()")
+    assert back >= whole, back
+    kernel.ok("rank0_holds_the_notebooks()\ndel pm, pulled, rank0_holds_the_notebooks")
+    kernel.ok("%%distribute\ndel pm, state, opt, n")
+
+
 def test_error_on_rank_1_names_it_and_the_next_cell_works(kernel, trained):
     failed = kernel.cell("""%%distribute
 if rank == 1:

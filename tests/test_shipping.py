@@ -206,6 +206,33 @@ def test_mark_synced_after_pull_back_sends_nothing():
     assert [n for n, _ in link.shipper.prepare(link.shipper.plan({"pulled": pulled})).names] == ["pulled"]
 
 
+def test_rank_0_sends_back_only_the_state_it_does_not_share_with_the_notebook():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = torch.nn.LayerNorm(4)
+
+    notebook = Tied()
+    planned = shipping.Shipper({"m": notebook}).plan({"m": notebook})
+    digests = shipping.state_digests(notebook, planned.tensors)
+    assert set(digests) == set(notebook.state_dict())
+    workers = Tied()
+    workers.load_state_dict(notebook.state_dict())
+    with torch.no_grad():
+        workers.norm.bias.add_(1)  # changed; the tied weights are not
+    state = workers.state_dict()
+    same, hashed, _ = shipping.drop_unchanged(state, digests)
+    assert sorted(same) == ["embed.weight", "head.weight", "norm.weight"] and list(state) == ["norm.bias"]
+    assert hashed["embed.weight"] == hashed["head.weight"] == digests["embed.weight"][0]
+    # The same bytes under another dtype are not the same value.
+    half = {"norm.weight": workers.norm.weight.detach().to(torch.float16)}
+    assert shipping.drop_unchanged(half, {"norm.weight": (shipping._digest(shipping._tensor_bytes(half["norm.weight"])[0]),
+                                                          "float32", (4,))})[0] == []
+
+
 def test_unserializable_value_names_the_variable():
     with pytest.raises(ShippingError) as info:
         shipping.Shipper().plan({"ok": 1, "lock": threading.Lock()})
