@@ -68,6 +68,7 @@ class CellRequest(_CellRequired, total=False):
     pull_through: int | None  # rank 0 sends the pull-back through shared memory, keeping this much
     seed: int
     framework: str  # whose process group the cell uses (frameworks.FRAMEWORKS)
+    overlap: bool  # automatic mode may average gradients during backward (see overlap.py)
     shared_frames: dict | None  # where the big frames are in the kernel's shared memory
 
 

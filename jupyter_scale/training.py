@@ -25,6 +25,7 @@ from torch.utils.data import (
 )
 
 from . import rendezvous
+from .overlap import Overlap
 
 _sharding = None  # the Sharding of the --shard cell running now
 
@@ -167,6 +168,10 @@ def _shard_loader(loader: DataLoader, *, shuffle: bool | None, seed: int, drop_l
 # Gradients are averaged in buckets of about this many bytes: few collectives per step
 # (not one per parameter), none so large that the flattened copy dominates memory.
 BUCKET_BYTES = 25 * 2**20
+# Averaging during backward (overlap.py) only for more gradients than this: below, backward
+# fills one bucket at its very end anyway, and the hooks and a second, small bucket cost
+# ~10 % of a small model's step here.
+OVERLAP_MIN_BYTES = BUCKET_BYTES
 
 
 
@@ -569,8 +574,10 @@ def whole_tensors(module: torch.nn.Module, keys: list[str]) -> dict[str, torch.T
     return found
 
 
-def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
-    """Average the gradients of `params` across ranks, in buckets.
+def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[int, ...] = ()) -> list[float] | None:
+    """Average the gradients of `params` across ranks, in buckets; returns the sums of
+    `extra` (small counts every rank adds, riding in the first bucket), or None when there
+    was nothing to average.
 
     A parameter can have a gradient on some ranks and not on others (a branch that only
     some ranks' data takes): a missing gradient counts as zeros, so every rank reduces the
@@ -581,7 +588,7 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
     """
     params = [p for p in params if p.requires_grad and id(p) not in skip]
     if not params:
-        return
+        return None
     world = dist.get_world_size()
     had = [p.grad is not None for p in params]
     for p in params:
@@ -591,15 +598,17 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
             raise TypeError("automatic mode does not average sparse gradients; use --manual with "
                             "jupyter_scale.wrap(model)")
     counts: list[float] = []
+    sums: list[float] = []
     for index, bucket in enumerate(_buckets(params)):
         grads = [p.grad for p in bucket]
         parts = [g.reshape(-1) for g in grads]
         if index == 0:  # counts up to the world size are exact in any float dtype used for training
-            parts.append(torch.tensor(had, dtype=grads[0].dtype, device=grads[0].device))
+            parts.append(torch.tensor([*had, *extra], dtype=grads[0].dtype, device=grads[0].device))
         flat = torch.cat(parts)
         dist.all_reduce(flat)
         if index == 0:
-            counts = flat[-len(params):].tolist()
+            counts = flat[len(flat) - len(params) - len(extra):].tolist()
+            sums, counts = counts[len(params):], counts[:len(params)]
         flat.div_(world)
         at = 0
         for g in grads:
@@ -608,6 +617,7 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int]) -> None:
     for p, count in zip(params, counts):
         if count == 0:
             p.grad = None  # no rank had a gradient: as it was
+    return sums
 
 
 def _buckets(params: list[torch.Tensor]):
@@ -727,7 +737,7 @@ def _install_patches() -> None:
     @functools.wraps(original_backward)
     def backward(*args, **kwargs):  # Tensor.backward() calls it too
         if _active is not None:
-            _active._backward = True
+            return _active._backward_pass(original_backward, args, kwargs)
         return original_backward(*args, **kwargs)
 
     torch.autograd.backward = backward
@@ -735,6 +745,8 @@ def _install_patches() -> None:
     original_ddp_init = DistributedDataParallel.__init__
 
     def ddp_init(ddp, *args, **kwargs):
+        if _active is not None:  # DDP averages its parameters' gradients in backward: not twice
+            _active._stop_overlap()  # before DDP's own collectives
         original_ddp_init(ddp, *args, **kwargs)
         _register_ddp(ddp)
 
@@ -763,6 +775,9 @@ def _install_patches() -> None:
             if _active is not None and _distributed():
                 parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
                 _active._average(parameters)
+                clipped = _original(parameters, *args, **kwargs)
+                _active._clipped(parameters)
+                return clipped
             return _original(parameters, *args, **kwargs)
 
         setattr(torch.nn.utils, name, clip)
@@ -856,7 +871,7 @@ class AutoMode:
     left afterwards, so nothing of it acts between cells or outside %%distribute.
     """
 
-    def __init__(self, seed: int, namespace: dict | None = None, warn=None):
+    def __init__(self, seed: int, namespace: dict | None = None, warn=None, overlap: bool = True):
         self.seed = seed
         self.namespace = namespace if namespace is not None else {}
         self._warned: set[str] = set()
@@ -864,6 +879,13 @@ class AutoMode:
         self._backward = False  # a backward pass ran in the cell
         # A loader was sharded, gradients were averaged or the cell ran a collective itself.
         self._distributed_work = False
+        # Averaging during backward (see overlap.py): for the cell's one optimizer, once every
+        # rank called backward() once per step; off for the rest of the cell when a second
+        # optimizer steps, a closure is used or a DDP model is built (the same on every rank).
+        self._backward_calls = 0
+        self._calls_at_step: dict[int, int] = {}  # id(optimizer) -> backward calls at its last step
+        self._overlap: Overlap | None = None
+        self._overlap_off = not overlap
 
     def __enter__(self) -> AutoMode:
         global _active
@@ -880,6 +902,7 @@ class AutoMode:
     def __exit__(self, exc_type, *exc) -> None:
         global _active
         _active = None
+        self._stop_overlap(catch_up=exc_type is None)  # no hooks act between cells
         if exc_type is None and self._backward and not self._distributed_work:
             # Hand-made batches and a hand-written update (the PyTorch word language model
             # example): nothing for automatic mode to hook, so the ranks repeat each other.
@@ -932,15 +955,60 @@ class AutoMode:
             self._warn(message)
 
     # -- gradients -----------------------------------------------------------------
-    def _average(self, params) -> None:
+    def _average(self, params, extra: tuple[int, ...] = ()) -> list[float] | None:
         # Parameters of a DDP model whose forward ran since the last step were averaged
         # by DDP during backward; a DDP model that is merely alive changes nothing. Sharded
-        # parameters (FSDP2's DTensors) had their gradients reduce-scattered in backward.
+        # parameters (FSDP2's DTensors) had their gradients reduce-scattered in backward;
+        # those of a round during backward were averaged then (and not changed since).
         skip = {id(p) for ddp in list(DDP_MODELS) if getattr(ddp, "_jupyter_scale_used", False)
                 for p in ddp.parameters()}
         skip.update(id(p) for p in params if is_sharded(p))
+        if self._overlap is not None:
+            self._overlap.catch_up()
+            skip.update(id(p) for p in params if self._overlap.averaged(p))
         self._distributed_work = True
-        _average_gradients(params, skip)
+        return _average_gradients(params, skip, extra)
+
+    def _clipped(self, params) -> None:
+        if self._overlap is not None:  # clipped alike on every rank: still the same everywhere
+            self._overlap.mark_averaged(params)
+
+    def _backward_pass(self, backward, args, kwargs):
+        self._backward = True
+        self._backward_calls += 1
+        overlap = self._overlap
+        # create_graph: the gradients carry a graph (a second derivative follows); the step averages them.
+        if overlap is None or kwargs.get("create_graph") or (len(args) > 3 and args[3]) or not _distributed():
+            return backward(*args, **kwargs)
+        overlap.begin()
+        try:
+            result = backward(*args, **kwargs)
+        except Exception:
+            overlap.drop()  # the cell may catch it and go on: the ranks' collectives stay paired
+            raise
+        except BaseException:  # an interrupt: the cell ends, the group is formed anew
+            overlap.round = None
+            raise
+        overlap.finish()
+        return result
+
+    def _stop_overlap(self, catch_up: bool = True) -> None:
+        """Average at steps for the rest of the cell. A rank that called no backward() since
+        the last step first runs the round that the ranks that did wait in."""
+        overlap, self._overlap, self._overlap_off = self._overlap, None, True
+        if overlap is not None:
+            try:
+                if catch_up and _distributed():
+                    overlap.catch_up()
+            finally:
+                overlap.remove()
+
+    def _may_overlap(self, params) -> bool:
+        """Averaging during backward needs hooks on parameters nothing else averages."""
+        ddp = {id(p) for model in list(DDP_MODELS) for p in model.parameters()}
+        trained = [p for p in params if p.requires_grad]
+        return (sum(p.numel() * p.element_size() for p in trained) > OVERLAP_MIN_BYTES
+                and all(id(p) not in ddp and not is_sharded(p) and p.layout == torch.strided for p in params))
 
     def _before_step(self, optimizer, args, kwargs):
         if not _distributed():  # the cell tore the group down: steps are local again
@@ -948,6 +1016,18 @@ class AutoMode:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # The hook sees step's arguments with the optimizer itself first.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        since = self._backward_calls - self._calls_at_step.get(id(optimizer), 0)
+        self._calls_at_step[id(optimizer)] = self._backward_calls
+        if closure is not None or any(k != id(optimizer) for k in self._calls_at_step):
+            self._stop_overlap()  # averaged at each step from here on
+        if self._overlap is not None:
+            # A rank that called no backward() since the last step averages now; then what
+            # changed after its round, or is not hooked (unfrozen since).
+            self._average(params)
+            self._overlap.stepped()
+            for ddp in list(DDP_MODELS):
+                ddp._jupyter_scale_used = False
+            return None
         if closure is not None:
             # The closure computes the gradients (LBFGS calls it many times): average
             # after each call, not before the step.
@@ -958,7 +1038,12 @@ class AutoMode:
                 return loss
 
             return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": averaged_closure}
-        self._average(params)
+        # Every rank called backward() once since this optimizer's last step (the sums of that
+        # count and of its square are both the world size): average during backward from now on.
+        sums = self._average(params, extra=(since, since * since))
+        world = dist.get_world_size()
+        if sums == [world, world] and not self._overlap_off and self._may_overlap(params):
+            self._overlap = Overlap(params, BUCKET_BYTES)
         for ddp in list(DDP_MODELS):
             ddp._jupyter_scale_used = False
         return None

@@ -47,6 +47,9 @@ GATHER_WEIGHTS = "%%distribute\nweights = torch.cat([p.detach().flatten() for p 
 @pytest.fixture(scope="module")
 def k(kernel):
     kernel.ok(NOTEBOOK)
+    # These models are small: averaging during backward is for large ones (more than one
+    # bucket of gradients). Here it is for all, so that every test runs it too.
+    kernel.ok("%%distribute --workers 2\nimport jupyter_scale.training\njupyter_scale.training.OVERLAP_MIN_BYTES = 0")
     return kernel
 
 
@@ -325,3 +328,76 @@ for x, y in DataLoader(data, batch_size=64, shuffle=True):
 wm_w = torch.cat([p.detach().flatten() for p in wm.parameters()])
 """)
     k.ok("r0, r1 = jupyter_scale.get_session().gather('wm_w')\nassert torch.equal(r0, r1)")
+
+
+MIXED = """
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.l1 = nn.Linear(32, 64)
+        self.l2 = nn.Linear(64, 4)
+        self.extra = nn.Linear(64, 4)   # used on rank 0 only
+    def forward(self, x, use_extra):
+        h = torch.relu(self.l1(self.frozen(x)))
+        return self.l2(h) + (self.extra(h) if use_extra else 0)
+
+torch.manual_seed(0)
+mixed_base = Mixed()
+mixed_overlap, mixed_step = copy.deepcopy(mixed_base), copy.deepcopy(mixed_base)
+"""
+
+# One optimizer, one backward() per step: averaged during backward from the second step on.
+# Rank 1 has no batch at step 3 (it calls no backward: it averages at the step), every step
+# clips, and rank 0 alone uses a layer.
+MIXED_LOOP = """%%distribute
+import jupyter_scale.training as training
+opt = torch.optim.AdamW({net}.parameters(), lr=0.01)
+xs, ys = data.tensors
+during_backward = []
+for step in range(6):
+    opt.zero_grad(set_to_none=True)
+    if not (rank == 1 and step == 3):
+        x, y = xs[64 * (2 * step + rank):][:64], ys[64 * (2 * step + rank):][:64]
+        nn.functional.cross_entropy({net}(x, use_extra=rank == 0), y).backward()
+    torch.nn.utils.clip_grad_norm_({net}.parameters(), 0.5)
+    during_backward.append(training._active._overlap is not None)
+    opt.step()
+"""
+
+
+def test_gradients_averaged_during_backward_equal_those_averaged_at_the_step(k):
+    k.ok(MIXED)
+    k.ok(MIXED_LOOP.format(net="mixed_overlap"))
+    assert k.value("jupyter_scale.get_session().gather('during_backward')") == [[False] + [True] * 5] * 2
+    k.ok("jupyter_scale.get_session().average_during_backward = False")
+    try:
+        k.ok(MIXED_LOOP.format(net="mixed_step"))
+        assert k.value("jupyter_scale.get_session().gather('during_backward')") == [[False] * 6] * 2
+    finally:
+        k.ok("jupyter_scale.get_session().average_during_backward = True")
+    k.ok("""
+assert not close(mixed_overlap, mixed_base)
+assert torch.equal(mixed_overlap.frozen.weight, mixed_base.frozen.weight)
+assert not torch.equal(mixed_overlap.extra.weight, mixed_base.extra.weight)   # rank 0's gradient, halved
+assert close(mixed_overlap, mixed_step, 1e-6), (flat(mixed_overlap) - flat(mixed_step)).abs().max()
+""")
+    k.ok("%%distribute\nw = torch.cat([p.detach().flatten() for p in mixed_overlap.parameters()])")
+    k.ok("r0, r1 = jupyter_scale.get_session().gather('w')\nassert torch.equal(r0, r1)")
+
+
+def test_ranks_that_call_backward_unequally_are_told_instead_of_averaging_wrong_gradients(k):
+    k.ok("torch.manual_seed(0)\nuneven = Net()")
+    out = k.cell("""%%distribute --timeout 60
+opt = torch.optim.SGD(uneven.parameters(), lr=0.1)
+xs, ys = data.tensors
+for step in range(6):
+    opt.zero_grad()
+    for _ in range(2 if rank == 0 and step == 3 else 1):   # rank 0 alone accumulates at step 3
+        nn.functional.cross_entropy(uneven(xs[:64]), ys[:64]).backward()
+    opt.step()
+""", timeout=120)
+    assert not out.ok and out.error["ename"] == "RemoteError"
+    assert "called backward() a different number of times" in out.error_text
+    k.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2")  # the next cell works

@@ -1,0 +1,191 @@
+"""Automatic mode's gradient averaging during backward, as DDP does it.
+
+Once every rank has shown one `backward()` per step of a cell's one optimizer, its
+gradients are averaged in buckets while backward still runs: a bucket is all-reduced
+(asynchronously) as soon as its parameters' gradients are accumulated, so communication
+overlaps the rest of backward. `training.AutoMode` decides when; this module does it.
+
+The collectives must pair up across ranks: every rank issues the same buckets in the same
+order, once per round. A round is one `backward()` call (every rank runs the same calls,
+as the cell is SPMD) or, for a rank that called none before a step, one at that step.
+Each round carries the optimizer's step count and its place in the step: a rank that
+called `backward()` more often than the others is told so, instead of averaging with
+the wrong gradients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+FIRST_BUCKET_BYTES = 2**20  # a small first bucket: the last layers' gradients go out at once
+
+MISMATCH = ("the ranks called backward() a different number of times before an optimizer step (this rank: {rounds} "
+            "since the last step). Automatic mode averages gradients during backward() once it has seen one "
+            "backward() per step on every rank, as DDP does, so every rank must call it alike; "
+            "%%distribute --manual leaves averaging to the cell")
+
+
+def _buckets(params: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if bucket and ((p.dtype, p.device) != (bucket[0].dtype, bucket[0].device) or size + nbytes > cap):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class _Round:
+    def __init__(self, sizes: list[int]):
+        self.waiting = list(sizes)  # per bucket, parameters not accumulated yet
+        self.accumulated: set[int] = set()
+        self.next = 0  # buckets launch strictly in order: the ranks' collectives pair up
+        self.works: list = []
+
+
+class Overlap:
+    """The hooks and buckets of one optimizer's parameters (the same list on every rank)."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int):
+        unique: dict[int, torch.Tensor] = {}
+        for p in params:
+            if p.requires_grad:
+                unique.setdefault(id(p), p)
+        self.params = list(unique.values())
+        # Backward makes gradients roughly in reverse order of the parameters.
+        order = self.params[::-1]
+        first = next(_buckets(order, FIRST_BUCKET_BYTES), [])
+        self.buckets = [first, *_buckets(order[len(first):], bucket_bytes)] if first else []
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        # One flat buffer per bucket, kept (as DDP's): fresh memory each round costs page faults.
+        # The last one also carries, per parameter, whether this rank had a gradient, and the
+        # round's tag (step, round in the step).
+        self.flats = [torch.empty(sum(p.numel() for p in bucket) + (len(self.params) + 2 if b == len(self.buckets) - 1
+                                                                      else 0), dtype=bucket[0].dtype,
+                                  device=bucket[0].device)
+                      for b, bucket in enumerate(self.buckets)]
+        self.round: _Round | None = None
+        self.steps = 0  # optimizer steps since the hooks were put on
+        self.rounds = 0  # rounds since the last step
+        self._averaged: dict[int, tuple] = {}  # id(p) -> (its gradient as averaged, that tensor's version)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.flats = [], []
+
+    # -- a round ---------------------------------------------------------------------
+    def begin(self) -> None:
+        self.round = _Round([len(b) for b in self.buckets])
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        r = self.round
+        if r is None or id(p) in r.accumulated:  # not a round of ours (e.g. create_graph): averaged at step
+            return
+        r.accumulated.add(id(p))
+        r.waiting[self.bucket_of[id(p)]] -= 1
+        while r.next < len(self.buckets) and r.waiting[r.next] == 0:
+            self._launch(r)
+
+    @torch.no_grad()
+    def _launch(self, r: _Round) -> None:
+        b, at = r.next, 0
+        flat = self.flats[b]
+        for p in self.buckets[b]:
+            n = p.numel()
+            if p.grad is None:  # none on this rank (yet): counts as zeros
+                flat[at: at + n].zero_()
+            elif p.grad.is_sparse:
+                raise TypeError("automatic mode does not average sparse gradients; use --manual with "
+                                "jupyter_scale.wrap(model)")
+            else:
+                flat[at: at + n].copy_(p.grad.reshape(-1))
+            at += n
+        if b == len(self.buckets) - 1:
+            had = [p.grad is not None for p in self.params] + [self.steps % 4096, self.rounds]
+            flat[at:].copy_(torch.tensor(had, dtype=flat.dtype))
+        r.works.append(dist.all_reduce(flat, async_op=True))
+        r.next += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """The end of a round: launch the buckets backward did not fill (unused parameters
+        count as zeros), wait, and write the averages into the gradients."""
+        r, self.round = self.round, None
+        if r is None:
+            return
+        while r.next < len(self.buckets):
+            self._launch(r)
+        world = dist.get_world_size()
+        tag = (self.steps % 4096, self.rounds)
+        self.rounds += 1
+        for work in r.works:
+            work.wait()
+        counts = self.flats[-1][-len(self.params) - 2:].tolist()
+        # Exact in any float dtype used for training for a few ranks; a tag that does not add
+        # up is a pairing of different rounds.
+        if self.flats[-1].dtype in (torch.float32, torch.float64) and counts[-2:] != [world * t for t in tag]:
+            raise RuntimeError(MISMATCH.format(rounds=self.rounds))
+        for bucket, flat in zip(self.buckets, self.flats):
+            flat.div_(world)
+            at = 0
+            for p in bucket:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[at: at + n].view_as(p.grad))
+                elif counts[self.index[id(p)]] > 0:  # another rank had one: this rank's is the average too
+                    p.grad = flat[at: at + n].view_as(p).clone()
+                at += n
+        self.mark_averaged(self.params)
+
+    def drop(self) -> None:
+        """A backward that raised: launch the rest and wait, so that the ranks' collectives
+        stay paired if the cell goes on; its gradients are averaged again at the step."""
+        r, self.round = self.round, None
+        if r is None:
+            return
+        self.rounds += 1
+        while r.next < len(self.buckets):
+            self._launch(r)
+        for work in r.works:
+            work.wait()
+        self._averaged.clear()
+
+    # -- at a step -------------------------------------------------------------------
+    def mark_averaged(self, params) -> None:
+        for p in params:
+            if id(p) in self.index:
+                g = p.grad
+                self._averaged[id(p)] = (None, 0) if g is None else (weakref.ref(g), g._version)
+
+    def averaged(self, p: torch.Tensor) -> bool:
+        """Whether `p`'s gradient is the average a round made (or a clip of it), unchanged."""
+        found = self._averaged.get(id(p))
+        if found is None:
+            return False
+        ref, version = found
+        if ref is None:
+            return p.grad is None
+        return p.grad is not None and ref() is p.grad and p.grad._version == version
+
+    def catch_up(self) -> None:
+        """Before gradients are used (a step, clipping): a rank that ran no round since the
+        last step runs one now, on its gradients as they are, as the ranks that called
+        backward() did during it."""
+        if self.rounds == 0:
+            self.begin()
+            self.finish()
+
+    def stepped(self) -> None:
+        self.steps += 1
+        self.rounds = 0
