@@ -181,7 +181,14 @@ def seed_everything(seed: int) -> None:
 
     import numpy as np
 
-    torch.manual_seed(seed)
+    # torch.manual_seed also queues the seed for each accelerator not initialized yet, taking a
+    # stack trace for each: in an engine's deep stack most of a trivial cell's time on a worker.
+    # Without any accelerator nothing would ever take that seed.
+    if (torch.cuda.is_available() or torch.xpu.is_available() or torch.mtia.is_available()
+            or torch.backends.mps.is_available() or hasattr(torch, torch._C._get_privateuse1_backend_name())):
+        torch.manual_seed(seed)
+    else:
+        torch.random.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
 
