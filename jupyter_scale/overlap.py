@@ -15,7 +15,6 @@ the wrong gradients.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -76,8 +75,17 @@ class Overlap:
         self.round: _Round | None = None
         self.steps = 0  # optimizer steps since the hooks were put on
         self.rounds = 0  # rounds since the last step
-        self._averaged: dict[int, tuple] = {}  # id(p) -> (its gradient as averaged, that tensor's version)
+        # The tag's numbers wrap at a power of two small enough that their sums over the ranks
+        # stay exact integers in the last bucket's dtype (256 in bfloat16).
+        self.wrap = 4096
+        if self.flats:
+            exact = 2 / torch.finfo(self.flats[-1].dtype).eps
+            while self.wrap > 2 and dist.get_world_size() * self.wrap > exact:
+                self.wrap //= 2
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self.index
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -90,7 +98,7 @@ class Overlap:
 
     def _accumulated(self, p: torch.Tensor) -> None:
         r = self.round
-        if r is None or id(p) in r.accumulated:  # not a round of ours (e.g. create_graph): averaged at step
+        if r is None or id(p) in r.accumulated:  # not a round of ours: a backward with create_graph
             return
         r.accumulated.add(id(p))
         r.waiting[self.bucket_of[id(p)]] -= 1
@@ -112,7 +120,7 @@ class Overlap:
                 flat[at: at + n].copy_(p.grad.reshape(-1))
             at += n
         if b == len(self.buckets) - 1:
-            had = [p.grad is not None for p in self.params] + [self.steps % 4096, self.rounds]
+            had = [p.grad is not None for p in self.params] + list(self._tag())
             flat[at:].copy_(torch.tensor(had, dtype=flat.dtype))
         r.works.append(dist.all_reduce(flat, async_op=True))
         r.next += 1
@@ -127,61 +135,44 @@ class Overlap:
         while r.next < len(self.buckets):
             self._launch(r)
         world = dist.get_world_size()
-        tag = (self.steps % 4096, self.rounds)
+        tag = self._tag()
         self.rounds += 1
         for work in r.works:
             work.wait()
         counts = self.flats[-1][-len(self.params) - 2:].tolist()
-        # Exact in any float dtype used for training for a few ranks; a tag that does not add
-        # up is a pairing of different rounds.
-        if self.flats[-1].dtype in (torch.float32, torch.float64) and counts[-2:] != [world * t for t in tag]:
+        if counts[-2:] != [world * t for t in tag]:  # a pairing of different rounds
             raise RuntimeError(MISMATCH.format(rounds=self.rounds))
         for bucket, flat in zip(self.buckets, self.flats):
-            flat.div_(world)
             at = 0
-            for p in bucket:
+            for p in bucket:  # divided on the way back: one pass over the gradients, not two
                 n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[at: at + n].view_as(p.grad))
+                if p.grad is not None and p.grad.is_contiguous():
+                    torch.div(flat[at: at + n].view_as(p.grad), world, out=p.grad)
+                elif p.grad is not None:
+                    p.grad.copy_(flat[at: at + n].view_as(p.grad) / world)
                 elif counts[self.index[id(p)]] > 0:  # another rank had one: this rank's is the average too
-                    p.grad = flat[at: at + n].view_as(p).clone()
+                    p.grad = flat[at: at + n].view_as(p) / world
                 at += n
-        self.mark_averaged(self.params)
+
+    def _tag(self) -> tuple[int, int]:
+        return self.steps % self.wrap, self.rounds % self.wrap
 
     def drop(self) -> None:
         """A backward that raised: launch the rest and wait, so that the ranks' collectives
-        stay paired if the cell goes on; its gradients are averaged again at the step."""
+        stay paired if the cell goes on (its gradients are left as they are)."""
         r, self.round = self.round, None
         if r is None:
             return
-        self.rounds += 1
         while r.next < len(self.buckets):
             self._launch(r)
+        self.rounds += 1
         for work in r.works:
             work.wait()
-        self._averaged.clear()
-
-    # -- at a step -------------------------------------------------------------------
-    def mark_averaged(self, params) -> None:
-        for p in params:
-            if id(p) in self.index:
-                g = p.grad
-                self._averaged[id(p)] = (None, 0) if g is None else (weakref.ref(g), g._version)
-
-    def averaged(self, p: torch.Tensor) -> bool:
-        """Whether `p`'s gradient is the average a round made (or a clip of it), unchanged."""
-        found = self._averaged.get(id(p))
-        if found is None:
-            return False
-        ref, version = found
-        if ref is None:
-            return p.grad is None
-        return p.grad is not None and ref() is p.grad and p.grad._version == version
 
     def catch_up(self) -> None:
         """Before gradients are used (a step, clipping): a rank that ran no round since the
-        last step runs one now, on its gradients as they are, as the ranks that called
-        backward() did during it."""
+        last step (it had no batch) runs one now, on its gradients as they are, as the ranks
+        that called backward() did during it."""
         if self.rounds == 0:
             self.begin()
             self.finish()

@@ -616,10 +616,12 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[
         if index == 0:
             counts = flat[len(flat) - len(params) - len(extra):].tolist()
             sums, counts = counts[len(params):], counts[:len(params)]
-        flat.div_(world)
         at = 0
-        for g in grads:
-            g.copy_(flat[at: at + g.numel()].view_as(g))
+        for g in grads:  # divided on the way back: one pass over the gradients, not two
+            if g.is_contiguous():
+                torch.div(flat[at: at + g.numel()].view_as(g), world, out=g)
+            else:
+                g.copy_(flat[at: at + g.numel()].view_as(g) / world)
             at += g.numel()
     for p, count in zip(params, counts):
         if count == 0:
@@ -782,9 +784,6 @@ def _install_patches() -> None:
             if _active is not None and _distributed():
                 parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
                 _active._average(parameters)
-                clipped = _original(parameters, *args, **kwargs)
-                _active._clipped(parameters)
-                return clipped
             return _original(parameters, *args, **kwargs)
 
         setattr(torch.nn.utils, name, clip)
@@ -878,7 +877,7 @@ class AutoMode:
     left afterwards, so nothing of it acts between cells or outside %%distribute.
     """
 
-    def __init__(self, seed: int, namespace: dict | None = None, warn=None, overlap: bool = True):
+    def __init__(self, seed: int, namespace: dict | None = None, warn=None, overlap: bool = False):
         self.seed = seed
         self.namespace = namespace if namespace is not None else {}
         self._warned: set[str] = set()
@@ -966,26 +965,27 @@ class AutoMode:
         # Parameters of a DDP model whose forward ran since the last step were averaged
         # by DDP during backward; a DDP model that is merely alive changes nothing. Sharded
         # parameters (FSDP2's DTensors) had their gradients reduce-scattered in backward;
-        # those of a round during backward were averaged then (and not changed since).
+        # those averaged during backward were averaged at its end: what the cell did to them
+        # since is its own, as under DDP.
         skip = {id(p) for ddp in list(DDP_MODELS) if getattr(ddp, "_jupyter_scale_used", False)
                 for p in ddp.parameters()}
         skip.update(id(p) for p in params if is_sharded(p))
         if self._overlap is not None:
             self._overlap.catch_up()
-            skip.update(id(p) for p in params if self._overlap.averaged(p))
+            skip.update(id(p) for p in params if self._overlap.holds(p))
         self._distributed_work = True
         return _average_gradients(params, skip, extra)
-
-    def _clipped(self, params) -> None:
-        if self._overlap is not None:  # clipped alike on every rank: still the same everywhere
-            self._overlap.mark_averaged(params)
 
     def _backward_pass(self, backward, args, kwargs):
         self._backward = True
         self._backward_calls += 1
         overlap = self._overlap
-        # create_graph: the gradients carry a graph (a second derivative follows); the step averages them.
-        if overlap is None or kwargs.get("create_graph") or (len(args) > 3 and args[3]) or not _distributed():
+        if overlap is None or not _distributed():
+            return backward(*args, **kwargs)
+        if kwargs.get("create_graph") or (len(args) > 3 and args[3]):
+            # The gradients carry a graph that a second backward may use: written into at the
+            # step, not now (every rank is here: the step averages them, as before).
+            self._stop_overlap(catch_up=False)
             return backward(*args, **kwargs)
         overlap.begin()
         try:

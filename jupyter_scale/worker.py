@@ -477,7 +477,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
         _state.frames_out.trim()
     framework = request.get("framework", "torch")
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready and framework == "torch"
-    mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, overlap=request.get("overlap", True))
+    mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, overlap=request.get("overlap", False))
             if auto else nullcontext())
     # --shard (one worker too: it materializes models built on the meta device). A model
     # sharded here keeps the notebook's tokens of its parameters: their whole tensors are

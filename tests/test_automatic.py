@@ -47,9 +47,10 @@ GATHER_WEIGHTS = "%%distribute\nweights = torch.cat([p.detach().flatten() for p 
 @pytest.fixture(scope="module")
 def k(kernel):
     kernel.ok(NOTEBOOK)
-    # These models are small: averaging during backward is for large ones (more than one
-    # bucket of gradients). Here it is for all, so that every test runs it too.
+    # Every test here runs with averaging during backward on, also for these small models
+    # (it is for more than one bucket of gradients): it must change nothing they check.
     kernel.ok("%%distribute --workers 2\nimport jupyter_scale.training\njupyter_scale.training.OVERLAP_MIN_BYTES = 0")
+    kernel.ok("jupyter_scale.get_session().average_during_backward = True")
     return kernel
 
 
