@@ -146,7 +146,7 @@ class Overlap:
             at = 0
             for p in bucket:  # divided on the way back: one pass over the gradients, not two
                 n = p.numel()
-                if p.grad is not None and p.grad.is_contiguous():
+                if p.grad is not None and p.grad.is_contiguous() and not p.grad.requires_grad:
                     torch.div(flat[at: at + n].view_as(p.grad), world, out=p.grad)
                 elif p.grad is not None:
                     p.grad.copy_(flat[at: at + n].view_as(p.grad) / world)

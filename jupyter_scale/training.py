@@ -618,7 +618,7 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[
             sums, counts = counts[len(params):], counts[:len(params)]
         at = 0
         for g in grads:  # divided on the way back: one pass over the gradients, not two
-            if g.is_contiguous():
+            if g.is_contiguous() and not g.requires_grad:  # a create_graph gradient takes a recorded copy
                 torch.div(flat[at: at + g.numel()].view_as(g), world, out=g)
             else:
                 g.copy_(flat[at: at + g.numel()].view_as(g) / world)

@@ -402,3 +402,25 @@ for step in range(6):
     assert not out.ok and out.error["ename"] == "RemoteError"
     assert "called backward() a different number of times" in out.error_text
     k.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2")  # the next cell works
+
+
+def test_a_backward_with_create_graph_goes_back_to_averaging_at_the_step(k):
+    k.ok("torch.manual_seed(0)\ncg = Net()")
+    k.ok("""%%distribute
+import warnings
+import jupyter_scale.training as training
+opt = torch.optim.SGD(cg.parameters(), lr=0.1)
+xs, ys = data.tensors
+cg_modes = []
+for step in range(4):
+    opt.zero_grad()
+    x, y = xs[64 * (2 * step + rank):][:64], ys[64 * (2 * step + rank):][:64]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's note on create_graph's reference cycle
+        nn.functional.cross_entropy(cg(x), y).backward(create_graph=step == 2)
+    cg_modes.append(training._active._overlap is not None)
+    opt.step()
+cg_w = torch.cat([p.detach().flatten() for p in cg.parameters()])
+""")
+    assert k.value("jupyter_scale.get_session().gather('cg_modes')") == [[False, True, False, False]] * 2
+    k.ok("r0, r1 = jupyter_scale.get_session().gather('cg_w')\nassert torch.equal(r0, r1)")
