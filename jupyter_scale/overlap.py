@@ -28,7 +28,9 @@ MISMATCH = ("the ranks called backward() a different number of times before an o
             "%%distribute --manual leaves averaging to the cell")
 
 
-def _buckets(params: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+def buckets(params: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    """`params` in order, in runs of one dtype and device of at most `cap` bytes (or one
+    parameter): few collectives per step, not one per parameter."""
     bucket: list[torch.Tensor] = []
     size = 0
     for p in params:
@@ -40,6 +42,15 @@ def _buckets(params: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor
         size += nbytes
     if bucket:
         yield bucket
+
+
+def divide_into(grad: torch.Tensor, total: torch.Tensor, world: int) -> None:
+    """`grad` becomes `total / world`, in one pass where it can: a gradient that requires
+    grad (made with create_graph) takes a recorded copy, as out= would refuse it."""
+    if grad.is_contiguous() and not grad.requires_grad:
+        torch.div(total.view_as(grad), world, out=grad)
+    else:
+        grad.copy_(total.view_as(grad) / world)
 
 
 class _Round:
@@ -61,17 +72,17 @@ class Overlap:
         self.params = list(unique.values())
         # Backward makes gradients roughly in reverse order of the parameters.
         order = self.params[::-1]
-        first = next(_buckets(order, FIRST_BUCKET_BYTES), [])
-        self.buckets = [first, *_buckets(order[len(first):], bucket_bytes)] if first else []
+        first = next(buckets(order, FIRST_BUCKET_BYTES), [])
+        self.buckets = [first, *buckets(order[len(first):], bucket_bytes)] if first else []
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.index = {id(p): i for i, p in enumerate(self.params)}
         # One flat buffer per bucket, kept (as DDP's): fresh memory each round costs page faults.
         # The last one also carries, per parameter, whether this rank had a gradient, and the
         # round's tag (step, round in the step).
-        self.flats = [torch.empty(sum(p.numel() for p in bucket) + (len(self.params) + 2 if b == len(self.buckets) - 1
-                                                                      else 0), dtype=bucket[0].dtype,
-                                  device=bucket[0].device)
-                      for b, bucket in enumerate(self.buckets)]
+        self.flats = []
+        for bucket in self.buckets:
+            size = sum(p.numel() for p in bucket) + (len(self.params) + 2 if bucket is self.buckets[-1] else 0)
+            self.flats.append(torch.empty(size, dtype=bucket[0].dtype, device=bucket[0].device))
         self.round: _Round | None = None
         self.steps = 0  # optimizer steps since the hooks were put on
         self.rounds = 0  # rounds since the last step
@@ -132,27 +143,29 @@ class Overlap:
         r, self.round = self.round, None
         if r is None:
             return
-        while r.next < len(self.buckets):
-            self._launch(r)
         world = dist.get_world_size()
         tag = self._tag()
-        self.rounds += 1
-        for work in r.works:
-            work.wait()
+        self._complete(r)
         counts = self.flats[-1][-len(self.params) - 2:].tolist()
         if counts[-2:] != [world * t for t in tag]:  # a pairing of different rounds
             raise RuntimeError(MISMATCH.format(rounds=self.rounds))
         for bucket, flat in zip(self.buckets, self.flats):
             at = 0
-            for p in bucket:  # divided on the way back: one pass over the gradients, not two
+            for p in bucket:
                 n = p.numel()
-                if p.grad is not None and p.grad.is_contiguous() and not p.grad.requires_grad:
-                    torch.div(flat[at: at + n].view_as(p.grad), world, out=p.grad)
-                elif p.grad is not None:
-                    p.grad.copy_(flat[at: at + n].view_as(p.grad) / world)
+                if p.grad is not None:
+                    divide_into(p.grad, flat[at: at + n], world)
                 elif counts[self.index[id(p)]] > 0:  # another rank had one: this rank's is the average too
                     p.grad = flat[at: at + n].view_as(p) / world
                 at += n
+
+    def _complete(self, r: _Round) -> None:
+        """Launch what is left of round `r` (in order) and wait for all of it."""
+        while r.next < len(self.buckets):
+            self._launch(r)
+        self.rounds += 1
+        for work in r.works:
+            work.wait()
 
     def _tag(self) -> tuple[int, int]:
         return self.steps % self.wrap, self.rounds % self.wrap
@@ -161,13 +174,8 @@ class Overlap:
         """A backward that raised: launch the rest and wait, so that the ranks' collectives
         stay paired if the cell goes on (its gradients are left as they are)."""
         r, self.round = self.round, None
-        if r is None:
-            return
-        while r.next < len(self.buckets):
-            self._launch(r)
-        self.rounds += 1
-        for work in r.works:
-            work.wait()
+        if r is not None:
+            self._complete(r)
 
     def catch_up(self) -> None:
         """Before gradients are used (a step, clipping): a rank that ran no round since the

@@ -6,6 +6,7 @@ running, so a cell that calls them also runs as plain local code.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 import weakref
@@ -25,7 +26,7 @@ from torch.utils.data import (
 )
 
 from . import rendezvous
-from .overlap import Overlap
+from .overlap import Overlap, buckets, divide_into
 
 _sharding = None  # the Sharding of the --shard cell running now
 
@@ -175,17 +176,22 @@ OVERLAP_MIN_BYTES = BUCKET_BYTES
 
 
 
+@functools.cache
+def _has_accelerator() -> bool:
+    """torch.manual_seed also queues the seed for each accelerator not initialized yet, taking
+    a stack trace for each: in an engine's deep stack most of a trivial cell's time on a
+    worker. Without any accelerator (asked once: none appears later) nothing would take it."""
+    return (torch.cuda.is_available() or torch.xpu.is_available() or torch.mtia.is_available()
+            or torch.backends.mps.is_available() or hasattr(torch, torch._C._get_privateuse1_backend_name()))
+
+
 def seed_everything(seed: int) -> None:
     """The same seed for torch, numpy and random on every rank."""
     import random
 
     import numpy as np
 
-    # torch.manual_seed also queues the seed for each accelerator not initialized yet, taking a
-    # stack trace for each: in an engine's deep stack most of a trivial cell's time on a worker.
-    # Without any accelerator nothing would ever take that seed.
-    if (torch.cuda.is_available() or torch.xpu.is_available() or torch.mtia.is_available()
-            or torch.backends.mps.is_available() or hasattr(torch, torch._C._get_privateuse1_backend_name())):
+    if _has_accelerator():
         torch.manual_seed(seed)
     else:
         torch.random.default_generator.manual_seed(seed)
@@ -606,7 +612,7 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[
                             "jupyter_scale.wrap(model)")
     counts: list[float] = []
     sums: list[float] = []
-    for index, bucket in enumerate(_buckets(params)):
+    for index, bucket in enumerate(buckets(params, BUCKET_BYTES)):
         grads = [p.grad for p in bucket]
         parts = [g.reshape(-1) for g in grads]
         if index == 0:  # counts up to the world size are exact in any float dtype used for training
@@ -617,29 +623,13 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[
             counts = flat[len(flat) - len(params) - len(extra):].tolist()
             sums, counts = counts[len(params):], counts[:len(params)]
         at = 0
-        for g in grads:  # divided on the way back: one pass over the gradients, not two
-            if g.is_contiguous() and not g.requires_grad:  # a create_graph gradient takes a recorded copy
-                torch.div(flat[at: at + g.numel()].view_as(g), world, out=g)
-            else:
-                g.copy_(flat[at: at + g.numel()].view_as(g) / world)
+        for g in grads:
+            divide_into(g, flat[at: at + g.numel()], world)
             at += g.numel()
     for p, count in zip(params, counts):
         if count == 0:
             p.grad = None  # no rank had a gradient: as it was
     return sums
-
-
-def _buckets(params: list[torch.Tensor]):
-    bucket, size = [], 0
-    for p in params:
-        key = (p.dtype, p.device)
-        if bucket and (key != (bucket[0].dtype, bucket[0].device) or size + p.numel() * p.element_size() > BUCKET_BYTES):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(p)
-        size += p.numel() * p.element_size()
-    if bucket:
-        yield bucket
 
 
 _active: AutoMode | None = None  # the automatic mode of the cell running now, if any
@@ -706,7 +696,6 @@ def _install_patches() -> None:
     """
     if getattr(DataLoader.__init__, "_jupyter_scale", False):
         return
-    import functools
     import inspect
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -1047,10 +1036,13 @@ class AutoMode:
             return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": averaged_closure}
         # Every rank called backward() once since this optimizer's last step (the sums of that
         # count and of its square are both the world size): average during backward from now on.
-        sums = self._average(params, extra=(since, since * since))
+        sums = self._average(params, extra=() if self._overlap_off else (since, since * since))
         world = dist.get_world_size()
-        if sums == [world, world] and not self._overlap_off and self._may_overlap(params):
-            self._overlap = Overlap(params, BUCKET_BYTES)
+        if sums == [world, world]:
+            if self._may_overlap(params):
+                self._overlap = Overlap(params, BUCKET_BYTES)
+            else:  # a small model, DDP's or FSDP's parameters: not rechecked at every step
+                self._overlap_off = True
         for ddp in list(DDP_MODELS):
             ddp._jupyter_scale_used = False
         return None
