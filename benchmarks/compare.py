@@ -1,6 +1,6 @@
 """The side-by-side numbers in one command: %%distribute against the tools a user would pick, from real Jupyter kernels.
 
-    python benchmarks/compare.py [--sections tools,warm,report,shipping,scaling] [--repeat 3] [--steps 300]
+    python benchmarks/compare.py [--sections tools,warm,report,shipping,scaling,recovery] [--repeat 3] [--steps 300]
                                  [--tools torchrun,auto,manual,px,dask,accelerate] [--ship-sizes 10,100,500]
                                  [--out benchmarks/results/compare-latest.json] [--plot benchmarks/compare.png]
 
@@ -43,6 +43,13 @@ to the baseline. Not a test: nothing asserts on time. Sections (`--sections`, de
             kernel sends a value once, so it should not grow with the workers.
 - scaling:  cold start and steps/s of torchrun and `%%distribute` automatic mode at 1, 2 and
             4 ranks (batch 64 per rank: the global batch grows with the ranks).
+- recovery: in one kernel per engine, `%%distribute --workers 2` `x = rank` cells: the first
+            (the cluster's start, right after the `%load_ext` cell), the cell after `%scale
+            restart` (restart included), the cell after rank 1's process was SIGKILLed
+            between cells (the restart it does included; how long the death took to be
+            noticed is kept apart), and the first cell with `--workers 3` (the resize
+            included); `--repeat` rounds of each. Baseline: torchrun's cold start (the tools
+            section's script, 40 steps), measured in the same run.
 
 Writes every raw result and the medians to `--out` (JSON), prints one markdown table per
 section, and draws `--plot` with benchmarks/plot.py when matplotlib is installed.
@@ -72,7 +79,7 @@ from nbclient import NotebookClient
 from torchrun import run_torchrun  # benchmarks/, the script's own folder
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("tools", "warm", "report", "shipping", "scaling")
+SECTIONS = ("tools", "warm", "report", "shipping", "scaling", "recovery")
 TOOLS = {  # name -> how the tables and the plot call it
     "torchrun": "torchrun",
     "auto": "`%%distribute` (automatic)",
@@ -247,6 +254,33 @@ for _ in range({WARM_CELLS // WARM_CHUNK}):
 print('BENCH ' + json.dumps(times))
 """,
     ]
+
+
+RECOVERY = """
+import os, signal
+def cell(n=2):
+    ip.run_cell_magic('distribute', f'--workers {{n}} {flags}', 'x = rank')
+def seconds(run):
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+times = {{'first': [seconds(cell)], 'restart': [], 'detect': [], 'dead': [], 'resize': []}}
+for _ in range({rounds}):
+    times['restart'].append(seconds(lambda: (ip.run_line_magic('scale', 'restart'), cell())))
+    os.kill(session.workers[1]['pid'], signal.SIGKILL)
+    t0, deadline = time.perf_counter(), time.monotonic() + 60
+    while not session.backend.dead_ranks() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    times['detect'].append(time.perf_counter() - t0)
+    times['dead'].append(seconds(cell))
+    times['resize'].append(seconds(lambda: cell(3)))
+    cell(2)
+print('BENCH ' + json.dumps(times))
+"""
+
+
+def recovery_cells(flags: str, rounds: int) -> list[str]:
+    return [TIMING, RECOVERY.format(flags=flags, rounds=rounds)]
 
 
 REPORT_LOOP = """
@@ -717,8 +751,33 @@ def section_scaling(args) -> dict:
     return {"raw": raw, "median": medians}
 
 
+def section_recovery(args) -> dict:
+    engines = {"ipyparallel": "", "dask": "--backend dask"}
+    raw: dict[str, list] = {"torchrun": []}
+    raw.update({e: [] for e in engines})
+    for i in range(args.repeat):
+        raw["torchrun"].append(torchrun_baseline(40, 10)["cold"])
+        progress(f"recovery round {i + 1}: torchrun cold start {raw['torchrun'][-1]:.2f} s")
+    for engine, flags in engines.items():
+        _, text = run_cells(recovery_cells(flags, args.repeat))
+        raw[engine].append(bench_record(text))
+        progress(f"recovery {engine}: " + ", ".join(f"{k} {median(v):.2f} s" for k, v in raw[engine][-1].items()))
+    base = median(raw["torchrun"])
+    what = ("first", "restart", "dead", "resize")
+    medians = {e: {k: median(t for r in raw[e] for t in r[k]) for k in (*what, "detect")} for e in engines}
+    print_table(f"recovery: a `x = rank` cell on 2 workers ({args.repeat} rounds, medians; torchrun's cold start "
+                f"{base:.2f} s; target <= 1.0x for the first cell, <= 0.3x for the others)",
+                ["engine", "first cell (s)", "x torchrun", "after restart (s)", "x", "after a dead worker (s)", "x",
+                 "noticed in (s)", "to 3 workers (s)", "x"],
+                [[e, m["first"], ratio(m["first"], base), m["restart"], ratio(m["restart"], base), m["dead"],
+                  ratio(m["dead"], base), m["detect"], m["resize"], ratio(m["resize"], base)]
+                 for e, m in medians.items()],
+                [0, 2, 2, 2, 2, 2, 2, 3, 2, 2])
+    return {"unit": "s", "raw": raw, "median": medians, "torchrun_cold": base}
+
+
 SECTION_RUNS = {"tools": section_tools, "warm": section_warm, "report": section_report,
-                "shipping": section_shipping, "scaling": section_scaling}
+                "shipping": section_shipping, "scaling": section_scaling, "recovery": section_recovery}
 
 
 def draw(out: Path, png: Path) -> None:

@@ -63,6 +63,7 @@ def load_ipython_extension(ip) -> None:
 
     session = get_session()
     session.record_cells()  # what %scale export slices
+    session.warm_up()  # the engine's worker template starts importing while the user works
     ip.register_magics(ScaleMagics(ip, session))
     if not any(isinstance(o, SidebarChannel) for o in session.observers):
         SidebarChannel(session).register(ip)  # the JupyterLab sidebar, where a frontend is attached

@@ -21,7 +21,7 @@ import torch
 from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import export, frameworks, jobfiles, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
+from . import export, forkserver, frameworks, jobfiles, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
 from .display import RunView
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
@@ -246,6 +246,16 @@ class ScaleSession(LoggingConfigurable):
               f"{time.monotonic() - started:.1f} s", flush=True)
         self._notify("cluster_changed")
 
+    def warm_up(self) -> None:
+        """Let the engine prepare a faster first start (its worker template), unless this
+        session's workers are not local or the engine cannot be loaded: nothing fails here."""
+        if self.connection is not None or (self._launch or (self.launcher, {}))[0] != "local":
+            return
+        try:
+            create_backend(self.backend_name, parent=self).warm_up()
+        except Exception:  # the start says what is wrong, with its context
+            log.debug("warming up the %s engine failed", self.backend_name, exc_info=True)
+
     def _tie_workers_to_kernel(self, backend: Backend) -> None:
         """Workers we started exit when this process dies, even by SIGKILL (no orphans)."""
         import psutil
@@ -295,8 +305,10 @@ class ScaleSession(LoggingConfigurable):
         self.backend_name = name
 
     def stop(self) -> None:
-        """Stop the embedded cluster (every process it started), or disconnect from a connected one."""
+        """Stop the embedded cluster (every process it started), or disconnect from a connected one;
+        the worker template goes too (restarts keep it)."""
         self._shutdown()
+        forkserver.close_all()
         self.connection = None
         self._launch = None
         self._notify("cluster_changed")

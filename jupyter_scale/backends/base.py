@@ -168,6 +168,10 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         with options it cannot take."""
         return None
 
+    def warm_up(self) -> None:  # noqa: B027
+        """Prepare what would make a later local `start` faster (a worker template), in the
+        background; called when the extension loads."""
+
     @abc.abstractmethod
     def start(self, n: int, timeout: float, launcher: Any = None) -> None:
         """Start a cluster of `n` workers and wait for them: local (loopback only), or where

@@ -17,12 +17,13 @@ from ipyparallel.cluster.launcher import (
     LocalControllerLauncher,
     LocalEngineLauncher,
     LocalEngineSetLauncher,
+    LocalProcessLauncher,
     MPIEngineSetLauncher,
     SlurmEngineSetLauncher,
 )
-from traitlets import Dict, List, Unicode
+from traitlets import Bool, Dict, Float, List, Unicode
 
-from .. import metrics
+from .. import forkserver, metrics
 from ..errors import ClusterError
 from ..launchers import Launcher, MPILauncher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
@@ -32,9 +33,11 @@ log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
 _quiet_cluster_log.setLevel(logging.ERROR)
 
-# The controller pings engines this often (ms). ipyparallel's default (3 s, several missed
-# beats) makes a dead engine take ~10 s to notice; 500 ms keeps that to a couple of seconds.
-HEARTBEAT_MS = 500
+# The controller pings engines this often (ms), and unregisters one that missed this many in
+# a row: ipyparallel's default (3 s x 10) takes 30 s to notice a dead engine; 5 s here. A new
+# engine is registered at the first ping it answers: the short period makes that ~50 ms.
+HEARTBEAT_MS = 100
+HEARTBEAT_MISSES = 50
 # How long a start-up probe of an engine may go unanswered before it is sent again.
 PROBE_AGAIN_S = 5.0
 
@@ -88,22 +91,106 @@ main()
 # ipyparallel's controller, ending itself (and the schedulers it started) when the kernel that
 # started it is gone: engines of a Slurm job on other nodes cannot watch the kernel, but they
 # shut down once the controller's heartbeats stop (max_heartbeat_misses), which ends the job.
+# Its heart monitor registers an engine as soon as the engine's heart answers a ping, not at
+# the ping after (HEARTBEAT_MS later): a new engine is there in ~HEARTBEAT_MS / 2, not up to
+# 2 * HEARTBEAT_MS. (It runs in a process the controller forks, which inherits the change.)
+# Its connection files are written whole or not at all: local engines start with it and read
+# them as soon as they exist (IPEngine.wait_for_url_file).
 _CONTROLLER_MAIN = KERNEL_WATCH + """
+import json, tempfile
+from ipyparallel.controller import app, heartmonitor
+
+def _save_connection_dict(self, fname, cdict):
+    directory = self.profile_dir.security_dir
+    fd, partial = tempfile.mkstemp(dir=directory, prefix=".partial-")  # owner-only
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(cdict, indent=2))
+    os.replace(partial, os.path.join(directory, fname))
+
+app.IPController.save_connection_dict = _save_connection_dict
+
+def _handle_pong(self, msg, _handle=heartmonitor.HeartMonitor.handle_pong):
+    _handle(self, msg)
+    new = self.responses - self.hearts
+    if new:
+        self.handle_new_hearts(new)
+
+heartmonitor.HeartMonitor.handle_pong = _handle_pong
 from ipyparallel.controller.app import main
 main()
 """
 
+# What the worker template imports once (forkserver): all the controller and an engine
+# import to start, and the worker code an engine's first call imports.
+TEMPLATE_PRELOAD = ["jupyter_scale.worker", "jupyter_scale.backends.ipyparallel", "ipyparallel.engine.app",
+                    "ipyparallel.controller.app"]
+# How long a start waits for a template still importing: longer than importing anew would
+# take; then the process starts the usual way.
+TEMPLATE_WAIT_S = 30.0
 
-def _controller() -> type:
-    return type("_ControllerLauncher", (LocalControllerLauncher,), {
+
+class _Forked:
+    """A local launcher (mixed in before it) whose process is forked from the kernel's
+    worker template instead of started anew; the template, which reaps it, says how it
+    ended. Where the template cannot, the process starts the usual way."""
+
+    template: forkserver.Template | None = None
+    seen_exit_code: int | None = None
+
+    def start(self):
+        if self.template is None:
+            return super().start()
+        env = os.environ.copy()
+        env.update(self.get_env())
+        argv = self.args  # [python, "-c", MAIN, *ipyparallel's arguments]
+        try:
+            self.pid = self.template.spawn(argv[2], argv[3:], env, self.work_dir, self.output_file,
+                                           timeout=TEMPLATE_WAIT_S)
+        except forkserver.TemplateError as exc:
+            log.info("%s starts as a new process: %s", self.identifier, exc)
+            self.template = None
+            return super().start()
+        self.process = psutil.Process(self.pid)
+        self.notify_start(self.pid)
+        LocalProcessLauncher._start_waiting(self)
+
+    def _wait(self):
+        if self.template is None:
+            return super()._wait()
+        while not self._stop_waiting.is_set() and self.state == "running":
+            if self.template.wait_exit(self.pid, 1.0):
+                break
+            if not self.template.alive:  # it cannot tell any more: watch the pid
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    self.process.wait(timeout=1.0)
+                    break
+        self.seen_exit_code = self.template.exit_code(self.pid)
+        stop_data = dict(exit_code=self.seen_exit_code, pid=self.pid, identifier=self.identifier)
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+    def poll(self):
+        if self.template is None:
+            return super().poll()
+        code = self.template.exit_code(self.pid)
+        if code is None and self.process.is_running():
+            return None
+        self.notify_stop(dict(exit_code="unknown" if code is None else code, pid=self.pid, identifier=self.identifier))
+        return code
+
+
+def _controller(template: forkserver.Template | None) -> type:
+    return type("_ControllerLauncher", (_Forked, LocalControllerLauncher), {
         "controller_cmd": List([sys.executable, "-c", _CONTROLLER_MAIN]),
         "environment": Dict(kernel_watch_env()),
+        "template": template,
     })
 
 
 class _EngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = _EngineLauncher
     engine_cmd = List([sys.executable, "-c", _ENGINE_MAIN])
+    delay = Float(0.0, config=True, help="Seconds between engines' starts (0.1 s each in ipyparallel): ranks do "
+                                             "not follow engine ids.")
 
     def start(self, n):
         result = super().start(n)
@@ -111,6 +198,15 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
         # all, with what they know of how their engine ended.
         self.started_launchers = dict(self.launchers)
         return result
+
+
+def _local_engines(template: forkserver.Template | None, timeout: float) -> type:
+    """Local engines, forked from `template` where there is one. They start with the
+    controller and wait (up to `timeout`) for its connection file."""
+    traits: dict = {"engine_args": List([f"--IPEngine.wait_for_url_file={timeout}"])}
+    if template is not None:
+        traits["launcher_class"] = type("_ForkedEngineLauncher", (_Forked, _EngineLauncher), {"template": template})
+    return type("_LocalEngineSetLauncher", (_EngineSetLauncher,), traits)
 
 
 def _slurm_engines(launcher: SlurmLauncher) -> type:
@@ -244,9 +340,10 @@ class _IOPubEventQueue(metrics.EventQueue):
 
 class _IPPJob(Job):
     def __init__(self, client: ipp.Client, async_result, ranks: list[int], engine_ids: list[int],
-                 events: _IOPubEventQueue | None = None):
+                 events: _IOPubEventQueue | None = None, exited: Callable[[int], bool] = lambda eid: False):
         super().__init__(ranks)
         self._client = client
+        self._exited = exited
         self._ar = async_result
         self._engine_ids = dict(zip(ranks, engine_ids))
         # One message future per rank, in the order the ranks were targeted.
@@ -269,7 +366,7 @@ class _IPPJob(Job):
         return self._futures[rank].output.done()
 
     def _worker_gone(self, rank: int) -> bool:
-        return self._unregistered(rank)
+        return self._unregistered(rank) or self._exited(self._engine_ids[rank])
 
     def _unregistered(self, rank: int) -> bool:
         # The controller unregisters an engine whose heartbeats stop (killed with its nanny,
@@ -278,6 +375,8 @@ class _IPPJob(Job):
         return self._engine_ids[rank] not in self._client.ids
 
     def result(self, rank: int) -> Any:
+        if not self._futures[rank].done() and self._exited(self._engine_ids[rank]):
+            raise WorkerLost(rank, f"engine {self._engine_ids[rank]}'s process ended")
         if not self._futures[rank].done() and self._unregistered(rank):
             raise WorkerLost(rank, f"engine {self._engine_ids[rank]} is no longer registered with the controller "
                                    "(it stopped answering its heartbeats)")
@@ -320,7 +419,7 @@ class _IPPJob(Job):
             self._client._output_futures.pop(msg_id, None)
 
 
-def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> None:
+def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> dict[int, int]:
     """Wait until every engine answers a call through each route the backend sends calls by:
     its own (submit_each) and the broadcast scheduler (submit).
 
@@ -333,6 +432,7 @@ def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> 
     """
     deadline = time.monotonic() + timeout
     pending = [(eid, route) for eid in engine_ids for route in ("own", "broadcast")]
+    pids = {}
     while pending:
         sent = {}
         for eid, route in pending:
@@ -342,6 +442,8 @@ def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> 
         while not all(ar.ready() for ar in sent.values()) and time.monotonic() < again_at:
             time.sleep(0.01)
         pending = [key for key, ar in sent.items() if not ar.ready()]
+        pids.update({eid: ar.get() for (eid, route), ar in sent.items()
+                     if route == "own" and ar.ready() and ar.successful()})
         for ar in sent.values():
             for msg_id in ar.msg_ids:  # answered or lost: nothing of it is kept
                 client.results.pop(msg_id, None)
@@ -351,6 +453,7 @@ def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> 
                                f"call within {timeout:.0f} s")
         if pending:
             log.debug("engines %s did not answer a probe; sending again", pending)
+    return pids
 
 
 class IPyParallelBackend(Backend):
@@ -373,14 +476,24 @@ class IPyParallelBackend(Backend):
                              "connection file carries its own keys")
         return where
 
+    fork_workers = Bool(True, config=True,
+                        help="Local engines are forks of a template process that imported torch and the worker "
+                             "code once, started at %load_ext and kept across restarts (Linux); False: each engine "
+                             "is a new Python process.")
+
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._cluster: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
         self._engine_ids: list[int] = []
         self._events: _IOPubEventQueue | None = None
+        self._processes: dict[int, psutil.Process] = {}
 
     # -- lifecycle -----------------------------------------------------------------
+    def warm_up(self) -> None:
+        if self.fork_workers and not {"engines", "engine_launcher_class"} & set(self.cluster_options):
+            forkserver.template(TEMPLATE_PRELOAD)
+
     def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self._client is not None:
             raise ClusterError("the ipyparallel cluster is already running")
@@ -397,7 +510,8 @@ class IPyParallelBackend(Backend):
             # handshake. HMAC signing alone leaves ZeroMQ's own frames open: one garbage
             # connection to the controller's iopub port unsubscribed the kernel from every
             # worker's output.
-            controller_args=[f"--ping={HEARTBEAT_MS}", "--nodb", "--IPController.enable_curve=True"],
+            controller_args=[f"--ping={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                             "--nodb", "--IPController.enable_curve=True"],
             engine_timeout=int(timeout),
             # Engines start with the controller, not a second after it: they wait for its
             # connection file themselves (IPEngine.wait_for_url_file).
@@ -411,15 +525,19 @@ class IPyParallelBackend(Backend):
             # this backend holds the cluster. The connection files it keeps are owner-only.
             cluster_file="",
         )
+        # The kernel's worker template, for the processes started here (see forkserver).
+        template = forkserver.template(TEMPLATE_PRELOAD) if self.fork_workers else None
         if not {"controller", "controller_launcher_class"} & set(self.cluster_options):
-            options["controller_launcher_class"] = _controller()
+            options["controller_launcher_class"] = _controller(template)
         if isinstance(launcher, SlurmLauncher):
             launcher.check(tasks=n, worker_per_job=False)
             options["engine_launcher_class"] = _slurm_engines(launcher)
         elif isinstance(launcher, MPILauncher):
             options["engine_launcher_class"] = _mpi_engines(launcher, n)
         elif not {"engines", "engine_launcher_class"} & set(self.cluster_options):
-            options["engine_launcher_class"] = _EngineSetLauncher  # local engines, exit codes kept
+            options["engine_launcher_class"] = _local_engines(template, timeout)  # exit codes kept
+            # Not once the controller wrote it: they read its connection file themselves.
+            options["send_engines_connection_env"] = False
         options.update(self.cluster_options)
         cluster = ipp.Cluster(**options)
         _keep_private(cluster)
@@ -438,7 +556,7 @@ class IPyParallelBackend(Backend):
                     return False
 
             launcher.wait_for_workers(ready, n, timeout)
-            _await_routes(client, sorted(client.ids)[:n], max(deadline - time.monotonic(), 2 * PROBE_AGAIN_S))
+            pids = _await_routes(client, sorted(client.ids)[:n], max(deadline - time.monotonic(), 2 * PROBE_AGAIN_S))
             _keep_private(cluster)
         except BaseException as exc:  # not engine_errors: the engines' own output says more than ours
             detail = _startup_failure(cluster) or str(exc)
@@ -453,6 +571,11 @@ class IPyParallelBackend(Backend):
                                   if detail != str(exc) else "")) from exc
         self._cluster, self._client = cluster, client
         self._engine_ids = sorted(client.ids)[:n]
+        # The processes of engines started here, by engine id: their end is seen at once,
+        # not when the controller misses their heartbeats (seconds later). A pid an engine
+        # elsewhere reports (a Slurm node's) is used only if it is one of our launchers'.
+        ours = {p.pid: p for p in self.local_processes()[1:]}
+        self._processes = {eid: ours[pid] for eid, pid in pids.items() if pid in ours}
 
     def connect(self, n: int | None, timeout: float, *, profile: str | None = None,
                 cluster_id: str | None = None, url_file: str | None = None, **unknown: Any) -> None:
@@ -494,7 +617,7 @@ class IPyParallelBackend(Backend):
         engines = self.local_processes()[1:]
         client, cluster = self._client, self._cluster
         self._client = self._cluster = None
-        self._engine_ids = []
+        self._engine_ids, self._processes = [], {}
         if client is not None:
             try:
                 # Engines asked to exit through the API exit cleanly (code 0); a SIGTERM'd
@@ -577,7 +700,9 @@ class IPyParallelBackend(Backend):
         if self._client is None:
             raise ClusterError("no ipyparallel cluster is running")
         for rank in self.dead_ranks():
-            raise WorkerLost(rank, f"engine {self._engine_ids[rank]} is no longer registered with the controller")
+            eid = self._engine_ids[rank]
+            raise WorkerLost(rank, f"engine {eid} " + ("ended" if self._exited(eid)
+                                                      else "is no longer registered with the controller"))
         return self._client
 
     def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
@@ -587,13 +712,23 @@ class IPyParallelBackend(Backend):
         # which fans it out: the kernel's cost does not grow with the number of workers.
         view = client.broadcast_view(targets=[self._engine_ids[r] for r in ranks])
         ar = view.apply_async(_call, fn, *args)
-        return _IPPJob(client, ar, ranks, [self._engine_ids[r] for r in ranks], self._events)
+        return _IPPJob(client, ar, ranks, [self._engine_ids[r] for r in ranks], self._events, self._exited)
+
+    def _exited(self, eid: int) -> bool:
+        """Whether the process of an engine started here has ended."""
+        process = self._processes.get(eid)
+        if process is None:
+            return False
+        try:
+            return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
 
     def dead_ranks(self) -> list[int]:
         if self._client is None:
             return []
         registered = set(self._client.ids)
-        return [rank for rank, eid in enumerate(self._engine_ids) if eid not in registered]
+        return [rank for rank, eid in enumerate(self._engine_ids) if eid not in registered or self._exited(eid)]
 
     def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
         client = self._require_client()
@@ -602,7 +737,7 @@ class IPyParallelBackend(Backend):
             ar = client[self._engine_ids[rank]].apply_async(_call, fn, *args)
             children.extend(ar._children)
         combined = ipp.AsyncResult(client, children, fname=getattr(fn, "__name__", "call"), targets=self._engine_ids)
-        return _IPPJob(client, combined, list(range(self.size)), list(self._engine_ids), self._events)
+        return _IPPJob(client, combined, list(range(self.size)), list(self._engine_ids), self._events, self._exited)
 
     def interrupt(self, ranks: list[int], run: str | None = None) -> None:
         # A signal carries no run id; an engine cut off from the controller is unregistered

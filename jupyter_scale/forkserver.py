@@ -1,0 +1,333 @@
+"""Workers forked from a template process that imported their code once.
+
+Starting a worker means a new Python importing torch, the engine and the worker code: a
+second or two of CPU for each, paid again at every restart. A template process imports
+them once (started early: at `%load_ext`, and kept across restarts); each worker is then a
+fork of it, ready at once, its pages shared with the template until written (copy on write).
+
+The template is never the kernel (whose threads and sockets a fork would copy in a broken
+state) and forks only while it is safe: one thread, no CUDA context, no torch operation run
+yet (libgomp's thread pool does not survive a fork); NumPy's OpenBLAS threads, which are
+fork-safe, are the only others allowed. It checks that after its imports and refuses to serve
+otherwise; the engine then starts its workers the usual way.
+
+A fork becomes what `Popen(argv, env=, cwd=, stdin=/dev/null, stdout=stderr=output file,
+start_new_session=True)` would have started for `python -c CODE ARGS...`, and the template
+reaps it and tells the kernel its exit status (the kernel is not its parent).
+
+Libraries read some settings from the environment once, when they load (OpenMP's and the
+BLAS libraries' thread counts): a template serves only a worker environment that agrees
+with its own on those (`Template.suits`); otherwise the engine starts a new template.
+
+The template exits when the kernel closes its pipe or dies; its workers have their own
+watch on the kernel. Linux only (a fork of a process with loaded frameworks is unsafe on
+macOS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+# Environment variables read when a library loads, not when a worker starts: a template
+# started under other values would give its workers the wrong ones.
+LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "BLIS_", "VECLIB_", "NUMEXPR_", "LD_",
+                      "PYTHON", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "MALLOC_")
+
+# The template: imports what it is given, checks that a fork is still safe, says "ready",
+# then forks a worker for each request line on stdin and reports every exit on stdout.
+_TEMPLATE_MAIN = r"""
+import atexit, gc, json, os, select, signal, sys, traceback
+
+def send(fd, **message):
+    os.write(fd, json.dumps(message).encode() + b"\n")
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def unsafe_to_fork(allowed):
+    if threads() != allowed:
+        return f"{threads() - allowed} threads were started by the imports"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialized by the imports"
+    return None
+
+def become(request, inherited):
+    # In the fork: what Popen(start_new_session=True) with these streams would have started.
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in inherited:
+        os.close(fd)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    # Python's random reseeds itself in a fork; NumPy's global generator would be the same
+    # in every worker (drawn once, in the template).
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    code = 0
+    try:
+        sys.argv = ["-c", *request["args"]]
+        exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+def serve():
+    reply = os.dup(1)  # the kernel's pipe; fd 1 itself goes nowhere, so no import's print reaches it
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    try:
+        # NumPy's OpenBLAS starts its threads as it loads; they survive a fork (OpenBLAS
+        # stops and restarts them in its fork handlers). No other thread may run.
+        try:
+            import numpy
+        except ImportError:
+            pass
+        allowed = threads()
+        for name in json.loads(sys.argv[1]):
+            __import__(name)
+        problem = unsafe_to_fork(allowed)
+    except BaseException as exc:
+        problem = f"importing the workers' code failed: {type(exc).__name__}: {exc}"
+    if problem:
+        send(reply, error=problem)
+        os._exit(1)
+    gc.collect()
+    gc.freeze()  # the imports' objects: a collection in a fork does not write to their pages
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below as a child exits
+    kernel = os.getppid()
+    send(reply, ready=os.getpid())
+    pending = b""
+    while os.getppid() == kernel:
+        readable = select.select([0, wake_r], [], [], 1.0)[0]
+        if wake_r in readable:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while True:  # reap every worker that ended: a zombie would look alive to the kernel
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            send(reply, exited=pid, code=os.waitstatus_to_exitcode(status))
+        if 0 not in readable:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:  # the kernel closed the pipe, or is gone
+            break
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                become(request, (reply, wake_r, wake_w))
+            send(reply, spawned=pid, id=request["id"])
+    os._exit(0)
+
+serve()
+"""
+
+
+class TemplateError(RuntimeError):
+    """The template cannot start a worker (it failed to start, refused, or is gone)."""
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def load_time_settings(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
+
+
+class Template:
+    """A template process (see the module's doc): `spawn` forks a worker from it."""
+
+    def __init__(self, preload: list[str], env: Mapping[str, str] | None = None):
+        self.preload = list(preload)
+        self.env = dict(os.environ if env is None else env)
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._spawned: dict[int, int | str] = {}  # request id -> pid, or why it failed
+        self._replies = threading.Condition(self._lock)
+        self._exits: dict[int, int] = {}  # pid -> exit status (minus the signal)
+        self._gone = False
+        # Its own session: a Ctrl-C in the terminal running Jupyter does not reach it.
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _TEMPLATE_MAIN, json.dumps(self.preload)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, cwd="/", start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name="jupyter_scale-template", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self.error is None
+
+    def suits(self, env: Mapping[str, str]) -> bool:
+        """Whether a worker with this environment may come from this template."""
+        return self.alive and load_time_settings(env) == load_time_settings(self.env)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Until it has imported everything (True), failed, or `timeout` passed (False)."""
+        self._ready.wait(timeout)
+        return self._ready.is_set() and self.alive
+
+    def spawn(self, code: str, args: list[str], env: Mapping[str, str], cwd: str, output: str,
+              timeout: float) -> int:
+        """Fork `python -c code *args` with this environment and directory, its output
+        appended to `output`; its pid."""
+        if not self.suits(env):
+            raise TemplateError(self.error or "the worker's thread settings differ from the template's")
+        if not self.wait_ready(timeout):
+            raise TemplateError(self.error or f"the template was not ready within {timeout:.0f} s")
+        with self._lock:
+            self._next_id += 1
+            ident = self._next_id
+            line = json.dumps(dict(id=ident, code=code, args=list(args), env=dict(env), cwd=cwd, output=output))
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write(line.encode() + b"\n")
+                self.process.stdin.flush()
+            except OSError as exc:
+                raise TemplateError(f"the template is gone ({exc})") from None
+            deadline = time.monotonic() + timeout
+            while ident not in self._spawned and not self._gone:
+                if not self._replies.wait(max(0.0, deadline - time.monotonic())):
+                    raise TemplateError(f"the template did not fork within {timeout:.0f} s")
+            pid = self._spawned.pop(ident, None)
+        if not isinstance(pid, int):
+            raise TemplateError(pid or "the template ended while forking")
+        return pid
+
+    def exit_code(self, pid: int) -> int | None:
+        """How a worker it forked ended (None: running, or the template is gone and cannot tell)."""
+        with self._lock:
+            return self._exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float) -> bool:
+        """Until the template reports `pid`'s end (True), it is gone, or `timeout` passed."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while pid not in self._exits and not self._gone:
+                if not self._replies.wait(max(0.0, deadline - time.monotonic())):
+                    break
+            return pid in self._exits
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the template (its workers live on: they are stopped through their engine)."""
+        with contextlib.suppress(OSError):
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(timeout)
+        with contextlib.suppress(OSError):
+            if self.process.stdout is not None:
+                self.process.stdout.close()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "ready" in message:
+                    self._ready.set()
+                elif "error" in message:
+                    self.error = message["error"]
+                    log.info("the worker template refused to serve: %s", self.error)
+                elif "spawned" in message:
+                    self._spawned[message["id"]] = message["spawned"]
+                elif "exited" in message:
+                    self._exits[message["exited"]] = message["code"]
+                self._replies.notify_all()
+            if self.error is not None:
+                break
+        with self._lock:
+            self._gone = True
+            self.error = self.error or f"the template process ended (status {self.process.poll()})"
+            self._replies.notify_all()
+        self._ready.set()
+
+
+# One template per preload list in this process (the kernel), kept across clusters' restarts.
+_templates: dict[tuple[str, ...], Template] = {}
+_templates_lock = threading.Lock()
+
+
+def template(preload: list[str], env: Mapping[str, str] | None = None) -> Template | None:
+    """The kernel's template for these imports, started now if there is none that suits
+    `env` (default: this process's); None where forking is not supported."""
+    if not supported():
+        return None
+    env = dict(os.environ if env is None else env)
+    key = tuple(preload)
+    with _templates_lock:
+        found = _templates.get(key)
+        if found is not None and found.suits(env):
+            return found
+        if found is not None:
+            log.info("starting a new worker template: %s", found.error or "the environment's thread settings changed")
+            found.close()
+        _templates[key] = Template(preload, env)
+        return _templates[key]
+
+
+def close_all() -> None:
+    """End every template of this process (`%scale stop`, the extension unloaded)."""
+    with _templates_lock:
+        found = list(_templates.values())
+        _templates.clear()
+    for each in found:
+        each.close()
