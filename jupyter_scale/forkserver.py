@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "BLIS_", "VECLIB_", "NUMEXPR_", "LD_",
                       "PYTHON", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "MALLOC_")
 
-# The template: imports what it is given, checks that a fork is still safe, says "ready",
-# then forks a worker for each request line on stdin and reports every exit on stdout.
-_TEMPLATE_MAIN = r"""
+# The template's program (`python -c TEMPLATE_MAIN '["module", ...]'`): imports what it is
+# given, checks that a fork is still safe, says "ready", then forks a worker for each request
+# line on stdin and reports every exit on stdout.
+TEMPLATE_MAIN = r"""
 import atexit, gc, json, os, select, signal, sys, traceback
 
 def send(fd, **message):
@@ -189,7 +190,8 @@ class Template:
     def __init__(self, preload: list[str], env: Mapping[str, str] | None = None):
         self.preload = list(preload)
         self.env = dict(os.environ if env is None else env)
-        self.error: str | None = None
+        self.error: str | None = None  # why it cannot serve
+        self.refused = False  # its own check (or its imports) failed: it never will, in this environment
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._next_id = 0
@@ -199,7 +201,7 @@ class Template:
         self._gone = False
         # Its own session: a Ctrl-C in the terminal running Jupyter does not reach it.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _TEMPLATE_MAIN, json.dumps(self.preload)], stdin=subprocess.PIPE,
+            [sys.executable, "-c", TEMPLATE_MAIN, json.dumps(self.preload)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, cwd="/", start_new_session=True)
         self._reader = threading.Thread(target=self._read, name="jupyter_scale-template", daemon=True)
         self._reader.start()
@@ -214,7 +216,7 @@ class Template:
 
     def suits(self, env: Mapping[str, str]) -> bool:
         """Whether a worker with this environment may come from this template."""
-        return self.alive and load_time_settings(env) == load_time_settings(self.env)
+        return load_time_settings(env) == load_time_settings(self.env)
 
     def wait_ready(self, timeout: float) -> bool:
         """Until it has imported everything (True), failed, or `timeout` passed (False)."""
@@ -226,7 +228,7 @@ class Template:
         """Fork `python -c code *args` with this environment and directory, its output
         appended to `output`; its pid."""
         if not self.suits(env):
-            raise TemplateError(self.error or "the worker's thread settings differ from the template's")
+            raise TemplateError("the worker's thread settings differ from the template's")
         if not self.wait_ready(timeout):
             raise TemplateError(self.error or f"the template was not ready within {timeout:.0f} s")
         with self._lock:
@@ -285,7 +287,7 @@ class Template:
                 if "ready" in message:
                     self._ready.set()
                 elif "error" in message:
-                    self.error = message["error"]
+                    self.error, self.refused = message["error"], True
                     log.info("the worker template refused to serve: %s", self.error)
                 elif "spawned" in message:
                     self._spawned[message["id"]] = message["spawned"]
@@ -315,10 +317,12 @@ def template(preload: list[str], env: Mapping[str, str] | None = None) -> Templa
     key = tuple(preload)
     with _templates_lock:
         found = _templates.get(key)
-        if found is not None and found.suits(env):
+        # One that refused is kept (its workers start the usual way): it would refuse again.
+        if found is not None and found.suits(env) and (found.alive or found.refused):
             return found
         if found is not None:
-            log.info("starting a new worker template: %s", found.error or "the environment's thread settings changed")
+            log.info("starting a new worker template: %s",
+                     "the environment's thread settings changed" if found.alive else found.error)
             found.close()
         _templates[key] = Template(preload, env)
         return _templates[key]

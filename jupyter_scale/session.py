@@ -226,6 +226,11 @@ class ScaleSession(LoggingConfigurable):
                 raise
             self.placement = placement
         self.backend = backend
+        self._welcome_workers(started)
+
+    def _welcome_workers(self, started: float) -> None:
+        """New workers (a new cluster's, or replacements): the group, the tie to this kernel."""
+        backend = self._require_backend()
         try:
             if not backend.owns_cluster:  # workers of a cluster we attach to start clean
                 backend.submit(worker.reset).wait(self.start_timeout)
@@ -340,6 +345,11 @@ class ScaleSession(LoggingConfigurable):
                 print(f"jupyter_scale: {exc}", file=sys.stderr, flush=True)
 
     def _stop_backend(self, backend: Backend) -> None:
+        self._dismiss_workers(backend)
+        backend.stop()
+
+    def _dismiss_workers(self, backend: Backend) -> None:
+        """Before the workers stop: they leave the group, and what cells started on them ends."""
         # A cluster we only connected to lives on: free what this session left on its
         # workers (the namespaces, the process group), not just the group.
         farewell = worker.leave_group if backend.owns_cluster else worker.reset
@@ -354,14 +364,32 @@ class ScaleSession(LoggingConfigurable):
         except (ClusterError, WorkerLost):  # a dead or stuck worker is stopped below anyway
             log.debug("leaving the workers failed during stop", exc_info=True)
         end_processes(forked, timeout=5)
-        backend.stop()
 
     def restart(self, workers: int | None = None, launcher: str | None = None, **launcher_options: Any) -> None:
         """Fresh workers (a connected cluster: attach again, to the workers it has now); a
         cluster of a launcher's: submitted again, with its options unless new ones are given."""
         n = workers or (None if self.connection else self.size or self.default_workers)
+        if (self.running and self.connection is None and launcher is None and not launcher_options
+                and self.backend.replaces_workers):
+            self._replace_workers(n or self.default_workers)
+            return
         self._shutdown()
         self.start(n, launcher, **launcher_options)
+
+    def _replace_workers(self, n: int) -> None:
+        """New workers for the running cluster, whose controller or scheduler the engine keeps."""
+        backend = self._require_backend()
+        started = time.monotonic()
+        print(f"jupyter_scale: starting {n} new workers in the running {self.backend_name} cluster ...", flush=True)
+        self._dismiss_workers(backend)
+        self._forget_workers()
+        self._remove_store_dir()
+        try:
+            backend.replace_workers(n, timeout=self.start_timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._welcome_workers(started)
 
     def launch_options(self) -> dict:
         """The launcher options the running (or last) cluster was started with."""

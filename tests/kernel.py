@@ -121,7 +121,9 @@ class Kernel:
         return ast.literal_eval(result.stdout.strip().splitlines()[-1])
 
     def descendants(self) -> list:
-        """Live processes started (directly or not) by the kernel process."""
+        """Live processes started (directly or not) by the kernel process, but its worker
+        template itself (started at %load_ext, ended by %scale stop; the workers forked from
+        it count)."""
         import psutil
 
         try:
@@ -129,13 +131,25 @@ class Kernel:
         except psutil.NoSuchProcess:
             return []
         return [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                and not _is_resource_tracker(p)]
+                and not _is_resource_tracker(p) and not _is_worker_template(p, self.pid)]
 
     def shutdown(self) -> None:
         try:
             self.client.stop_channels()
         finally:
             self.manager.shutdown_kernel(now=False)
+
+
+def _is_worker_template(process, kernel: int) -> bool:
+    """The kernel's child running the template's program (its forks show the same command line)."""
+    import psutil
+
+    from jupyter_scale.forkserver import TEMPLATE_MAIN
+
+    try:
+        return process.ppid() == kernel and process.cmdline()[1:3] == ["-c", TEMPLATE_MAIN]
+    except psutil.Error:
+        return False
 
 
 def _is_resource_tracker(process) -> bool:

@@ -171,3 +171,24 @@ def test_a_notebook_kernel_starts_its_template_at_load_ext():
         leftovers = psutil.Process(kernel.pid).children(recursive=True)
         kernel.shutdown()
         assert not wait_gone(leftovers)
+
+
+def test_restart_resize_and_a_dead_worker_keep_the_controller_and_renew_the_workers(session):
+    session.start(2)
+    controller = session.backend.local_processes()[0]
+    first = [psutil.Process(w["pid"]) for w in session.workers]
+    session.restart(3)
+    assert session.backend.local_processes()[0] == controller
+    assert len(session.workers) == 3 and not {p.pid for p in first} & {w["pid"] for w in session.workers}
+    assert wait_gone(first) == []
+    session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()")
+    assert session.gather("total") == [3.0] * 3
+    dead = psutil.Process(session.workers[1]["pid"])
+    dead.kill()
+    deadline = time.monotonic() + 10
+    while session.backend.dead_ranks() != [1]:  # seen by its pid, before the controller misses its heartbeats
+        assert time.monotonic() < deadline, "the dead worker was not noticed"
+        time.sleep(0.01)
+    session.run("x = rank")  # restarts the workers first
+    assert session.gather("x") == [0, 1, 2] and dead.pid not in {w["pid"] for w in session.workers}
+    assert session.backend.local_processes()[0] == controller

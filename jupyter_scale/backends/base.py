@@ -177,6 +177,17 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         """Start a cluster of `n` workers and wait for them: local (loopback only), or where
         `launcher` (a launchers.Launcher) says, through the engine's own launcher for it."""
 
+    @property
+    def replaces_workers(self) -> bool:
+        """Whether `replace_workers` can renew this cluster's workers (else the session
+        restarts the whole cluster)."""
+        return False
+
+    def replace_workers(self, n: int, timeout: float) -> None:
+        """Stop the workers and start `n` new ones, keeping the rest of the cluster (its
+        controller or scheduler). Raises ClusterError when the new workers do not start."""
+        raise ClusterError(f"the {self.name} backend cannot replace its workers")
+
     def connect(self, n: int | None, timeout: float, **where: Any) -> None:
         """Attach to a running cluster; use `n` of its workers (default: all it has)."""
         raise ClusterError(f"the {self.name} backend cannot connect to a running cluster")

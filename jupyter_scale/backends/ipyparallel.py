@@ -134,10 +134,12 @@ class _Forked:
     worker template instead of started anew; the template, which reaps it, says how it
     ended. Where the template cannot, the process starts the usual way."""
 
+    fork: bool = False  # whether to ask for the kernel's template at start (a new one if it died)
     template: forkserver.Template | None = None
     seen_exit_code: int | None = None
 
     def start(self):
+        self.template = forkserver.template(TEMPLATE_PRELOAD) if self.fork else None
         if self.template is None:
             return super().start()
         env = os.environ.copy()
@@ -178,11 +180,11 @@ class _Forked:
         return code
 
 
-def _controller(template: forkserver.Template | None) -> type:
+def _controller(fork: bool) -> type:
     return type("_ControllerLauncher", (_Forked, LocalControllerLauncher), {
         "controller_cmd": List([sys.executable, "-c", _CONTROLLER_MAIN]),
         "environment": Dict(kernel_watch_env()),
-        "template": template,
+        "fork": fork,
     })
 
 
@@ -200,12 +202,12 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
         return result
 
 
-def _local_engines(template: forkserver.Template | None, timeout: float) -> type:
-    """Local engines, forked from `template` where there is one. They start with the
+def _local_engines(fork: bool, timeout: float) -> type:
+    """Local engines, forked from the kernel's worker template if `fork`. They start with the
     controller and wait (up to `timeout`) for its connection file."""
     traits: dict = {"engine_args": List([f"--IPEngine.wait_for_url_file={timeout}"])}
-    if template is not None:
-        traits["launcher_class"] = type("_ForkedEngineLauncher", (_Forked, _EngineLauncher), {"template": template})
+    if fork:
+        traits["launcher_class"] = type("_ForkedEngineLauncher", (_Forked, _EngineLauncher), {"fork": True})
     return type("_LocalEngineSetLauncher", (_EngineSetLauncher,), traits)
 
 
@@ -456,6 +458,27 @@ def _await_routes(client: ipp.Client, engine_ids: list[int], timeout: float) -> 
     return pids
 
 
+def _shut_engines(client: ipp.Client, engines: list) -> None:
+    """Ask every engine to exit, and wait (5 s at most) until they did: `engines`, the
+    processes of those started here, or else the controller's list."""
+    try:
+        # Engines asked to exit through the API exit cleanly (code 0); a SIGTERM'd engine
+        # exits 1 and ipyparallel dumps its whole log into the notebook. Not blocking: a
+        # wedged engine would never answer; it is reaped by its launcher's stop.
+        client.shutdown(targets="all", hub=False, block=False)
+    except Exception:  # a dead engine cannot answer; stopping its launcher still reaps it
+        log.debug("engine shutdown request failed", exc_info=True)
+    # The client must not close before the engines are gone: closing it at once drops the
+    # queued shutdown request, and every stop then waited out the 5 s. Engines elsewhere (a
+    # Slurm job's) are gone once the controller no longer lists them.
+    if engines:
+        psutil.wait_procs(engines, timeout=5)
+    else:
+        deadline = time.monotonic() + 5
+        while client.ids and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 class IPyParallelBackend(Backend):
     """Workers are ipyparallel engines; rank i is the i-th engine id."""
 
@@ -488,6 +511,7 @@ class IPyParallelBackend(Backend):
         self._engine_ids: list[int] = []
         self._events: _IOPubEventQueue | None = None
         self._processes: dict[int, psutil.Process] = {}
+        self._replaceable = False  # engines of our own local launcher: replace_workers keeps the controller
 
     # -- lifecycle -----------------------------------------------------------------
     def warm_up(self) -> None:
@@ -525,17 +549,18 @@ class IPyParallelBackend(Backend):
             # this backend holds the cluster. The connection files it keeps are owner-only.
             cluster_file="",
         )
-        # The kernel's worker template, for the processes started here (see forkserver).
-        template = forkserver.template(TEMPLATE_PRELOAD) if self.fork_workers else None
+        # Local processes are forks of the kernel's worker template (see forkserver).
+        fork = self.fork_workers and forkserver.supported()
         if not {"controller", "controller_launcher_class"} & set(self.cluster_options):
-            options["controller_launcher_class"] = _controller(template)
+            options["controller_launcher_class"] = _controller(fork)
         if isinstance(launcher, SlurmLauncher):
             launcher.check(tasks=n, worker_per_job=False)
             options["engine_launcher_class"] = _slurm_engines(launcher)
         elif isinstance(launcher, MPILauncher):
             options["engine_launcher_class"] = _mpi_engines(launcher, n)
         elif not {"engines", "engine_launcher_class"} & set(self.cluster_options):
-            options["engine_launcher_class"] = _local_engines(template, timeout)  # exit codes kept
+            options["engine_launcher_class"] = _local_engines(fork, timeout)  # exit codes kept
+            self._replaceable = True
             # Not once the controller wrote it: they read its connection file themselves.
             options["send_engines_connection_env"] = False
         options.update(self.cluster_options)
@@ -571,6 +596,37 @@ class IPyParallelBackend(Backend):
                                   if detail != str(exc) else "")) from exc
         self._cluster, self._client = cluster, client
         self._engine_ids = sorted(client.ids)[:n]
+        self._track(pids)
+
+    @property
+    def replaces_workers(self) -> bool:
+        return self._replaceable and self._client is not None and self._cluster is not None
+
+    def replace_workers(self, n: int, timeout: float) -> None:
+        if not self.replaces_workers:
+            return super().replace_workers(n, timeout)
+        client, cluster = self._client, self._cluster
+        deadline = time.monotonic() + timeout
+        _shut_engines(client, self.local_processes()[1:])
+        cluster.stop_engines_sync()
+        # A killed engine stays on the controller's list until its heartbeats are missed.
+        stale = set(client.ids)
+        self._engine_ids, self._processes = [], {}
+        try:
+            cluster.start_engines_sync(n)
+            while len(set(client.ids) - stale) < n:
+                failed = _startup_failure(cluster)
+                if failed or time.monotonic() > deadline:
+                    raise ClusterError(failed or f"{n} new engines did not register within {timeout:.0f} s")
+                time.sleep(0.01)
+            engine_ids = sorted(set(client.ids) - stale)[:n]
+            pids = _await_routes(client, engine_ids, max(deadline - time.monotonic(), 2 * PROBE_AGAIN_S))
+        except ClusterError as exc:
+            raise ClusterError(f"could not start {n} new ipyparallel engines: {exc}") from exc
+        self._engine_ids = engine_ids
+        self._track(pids)
+
+    def _track(self, pids: dict[int, int]) -> None:
         # The processes of engines started here, by engine id: their end is seen at once,
         # not when the controller misses their heartbeats (seconds later). A pid an engine
         # elsewhere reports (a Slurm node's) is used only if it is one of our launchers'.
@@ -614,27 +670,12 @@ class IPyParallelBackend(Backend):
             if client is not None:
                 client.close()
             return
-        engines = self.local_processes()[1:]
         client, cluster = self._client, self._cluster
+        engines = self.local_processes()[1:]
         self._client = self._cluster = None
         self._engine_ids, self._processes = [], {}
         if client is not None:
-            try:
-                # Engines asked to exit through the API exit cleanly (code 0); a SIGTERM'd
-                # engine exits 1 and ipyparallel dumps its whole log into the notebook.
-                # Not blocking: a wedged engine would never answer; it is reaped below.
-                client.shutdown(targets="all", hub=False, block=False)
-            except Exception:  # a dead engine cannot answer; stop_cluster below still reaps
-                log.debug("engine shutdown request failed", exc_info=True)
-            # Close the client only once the engines are gone: closing it at once drops the
-            # queued shutdown request, and every stop then waited out the 5 s below. Engines
-            # elsewhere (a Slurm job's) are gone once the controller no longer lists them.
-            if engines:
-                psutil.wait_procs(engines, timeout=5)
-            else:
-                deadline = time.monotonic() + 5
-                while client.ids and time.monotonic() < deadline:
-                    time.sleep(0.05)
+            _shut_engines(client, engines)
             client.close()
         if cluster is not None:
             cluster.stop_cluster_sync()
