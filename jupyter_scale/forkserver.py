@@ -65,38 +65,49 @@ def unsafe_to_fork(allowed):
 
 def become(request, inherited):
     # In the fork: what Popen(start_new_session=True) with these streams would have started.
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in inherited:
-        os.close(fd)
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    # Python's random reseeds itself in a fork; NumPy's global generator would be the same
-    # in every worker (drawn once, in the template).
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        numpy_random.seed()
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in inherited:
+            os.close(fd)
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = ["-c", *request["args"]]
+        # Python's random reseeds itself in a fork; NumPy's global generator would be the
+        # same in every worker (drawn once, in the template).
+        numpy_random = sys.modules.get("numpy.random")
+        if numpy_random is not None:
+            numpy_random.seed()
+    except BaseException:  # as a failed exec: nothing of the template's loop may run here
+        traceback.print_exc()
+        os._exit(127)
     code = 0
     try:
-        sys.argv = ["-c", *request["args"]]
         exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:
         traceback.print_exc()
         code = 1
+    # What the interpreter does at exit: wait for non-daemon threads, run atexit, flush.
     try:
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -104,6 +115,9 @@ def become(request, inherited):
                 stream.flush()
             except Exception:
                 pass
+        if code == -signal.SIGINT:  # ended by Ctrl-C: as Python does, by the signal itself
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 def serve():
@@ -161,8 +175,13 @@ def serve():
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # out of processes or memory: say so, and serve on
+                send(reply, spawned=f"fork failed: {exc}", id=request["id"])
+                continue
             if pid == 0:
                 become(request, (reply, wake_r, wake_w))
             send(reply, spawned=pid, id=request["id"])
@@ -190,6 +209,8 @@ class Template:
     def __init__(self, preload: list[str], env: Mapping[str, str] | None = None):
         self.preload = list(preload)
         self.env = dict(os.environ if env is None else env)
+        # Its directory: Python makes relative PYTHONPATH entries absolute against it.
+        self.cwd = os.getcwd()
         self.error: str | None = None  # why it cannot serve
         self.refused = False  # its own check (or its imports) failed: it never will, in this environment
         self._ready = threading.Event()
@@ -202,7 +223,7 @@ class Template:
         # Its own session: a Ctrl-C in the terminal running Jupyter does not reach it.
         self.process = subprocess.Popen(
             [sys.executable, "-c", TEMPLATE_MAIN, json.dumps(self.preload)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, cwd="/", start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, cwd=self.cwd, start_new_session=True)
         self._reader = threading.Thread(target=self._read, name="jupyter_scale-template", daemon=True)
         self._reader.start()
 
@@ -215,8 +236,11 @@ class Template:
         return not self._gone and self.error is None
 
     def suits(self, env: Mapping[str, str]) -> bool:
-        """Whether a worker with this environment may come from this template."""
-        return load_time_settings(env) == load_time_settings(self.env)
+        """Whether a worker with this environment (and this process's directory) may come from
+        this template."""
+        relative = any(p and not os.path.isabs(p) for p in env.get("PYTHONPATH", "").split(os.pathsep))
+        return (load_time_settings(env) == load_time_settings(self.env)
+                and not (relative and os.getcwd() != self.cwd))
 
     def wait_ready(self, timeout: float) -> bool:
         """Until it has imported everything (True), failed, or `timeout` passed (False)."""
@@ -230,7 +254,9 @@ class Template:
         if not self.suits(env):
             raise TemplateError("the worker's thread settings differ from the template's")
         if not self.wait_ready(timeout):
-            raise TemplateError(self.error or f"the template was not ready within {timeout:.0f} s")
+            if self.error:  # refused, or ended
+                raise TemplateError(self.error)
+            self._give_up(f"the template was not ready within {timeout:.0f} s")
         with self._lock:
             self._next_id += 1
             ident = self._next_id
@@ -239,16 +265,26 @@ class Template:
                 assert self.process.stdin is not None
                 self.process.stdin.write(line.encode() + b"\n")
                 self.process.stdin.flush()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: closed
                 raise TemplateError(f"the template is gone ({exc})") from None
             deadline = time.monotonic() + timeout
             while ident not in self._spawned and not self._gone:
                 if not self._replies.wait(max(0.0, deadline - time.monotonic())):
-                    raise TemplateError(f"the template did not fork within {timeout:.0f} s")
+                    break
             pid = self._spawned.pop(ident, None)
+        if pid is None and not self._gone:
+            self._give_up(f"the template did not fork within {timeout:.0f} s")
         if not isinstance(pid, int):
             raise TemplateError(pid or "the template ended while forking")
         return pid
+
+    def _give_up(self, why: str) -> None:
+        """A stuck template: ended (a fork it makes later is not left behind untracked), and
+        marked as refusing, so that the workers after this one do not wait for it too."""
+        with self._lock:
+            self.error, self.refused = why, True
+        self.process.kill()
+        raise TemplateError(why)
 
     def exit_code(self, pid: int) -> int | None:
         """How a worker it forked ended (None: running, or the template is gone and cannot tell)."""
@@ -291,6 +327,7 @@ class Template:
                     log.info("the worker template refused to serve: %s", self.error)
                 elif "spawned" in message:
                     self._spawned[message["id"]] = message["spawned"]
+                    self._exits.pop(message["spawned"], None)  # a pid used again: the old end is not this one's
                 elif "exited" in message:
                     self._exits[message["exited"]] = message["code"]
                 self._replies.notify_all()

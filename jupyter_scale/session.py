@@ -312,8 +312,10 @@ class ScaleSession(LoggingConfigurable):
     def stop(self) -> None:
         """Stop the embedded cluster (every process it started), or disconnect from a connected one;
         the worker template goes too (restarts keep it)."""
-        self._shutdown()
-        forkserver.close_all()
+        try:
+            self._shutdown()
+        finally:
+            forkserver.close_all()
         self.connection = None
         self._launch = None
         self._notify("cluster_changed")
@@ -386,6 +388,11 @@ class ScaleSession(LoggingConfigurable):
         self._remove_store_dir()
         try:
             backend.replace_workers(n, timeout=self.start_timeout)
+        except ClusterError as exc:  # the whole cluster anew, once
+            print(f"jupyter_scale: {exc}; restarting the whole cluster", file=sys.stderr, flush=True)
+            self._shutdown()
+            self.start(n)
+            return
         except BaseException:
             self._shutdown()
             raise

@@ -40,8 +40,9 @@ def session():
     forkserver.close_all()
 
 
-def test_workers_are_forks_of_the_template_and_start_as_new_processes(session):
+def test_workers_are_forks_of_the_template_and_start_as_new_processes(session, tmp_path, monkeypatch):
     template = _template()
+    monkeypatch.chdir(tmp_path)  # the template started elsewhere: the workers run in the kernel's directory
     session.start(2)
     assert _worker_parents(session) == {template.pid}
     controller = session.backend.local_processes()[0]
@@ -52,17 +53,17 @@ def test_workers_are_forks_of_the_template_and_start_as_new_processes(session):
         assert _worker_parents(session) == {template.pid}
         session.run(textwrap.dedent("""
             import os, sys, numpy as np
-            seen = (os.getsid(0) == os.getpid(), sys.argv[0], os.environ.get("JUPYTER_SCALE_T"),
+            seen = (os.getsid(0) == os.getpid(), sys.argv[0], os.environ.get("JUPYTER_SCALE_T"), os.getcwd(),
                     float(np.random.rand()), sys.stdin.read())
         """), manual=True)  # automatic mode seeds every rank alike
     finally:
         del os.environ["JUPYTER_SCALE_T"]
     seen = session.gather("seen")
-    # Each its own session leader, with the kernel's environment of now, `-c` as a Python
-    # started anew, stdin at /dev/null, and NumPy's random numbers its own.
-    assert [s[:3] for s in seen] == [(True, "-c", "set-after-the-template")] * 2
-    assert seen[0][3] != seen[1][3]
-    assert [s[4] for s in seen] == ["", ""]
+    # Each its own session leader, with the kernel's environment and directory of now, `-c`
+    # as a Python started anew, stdin at /dev/null, and NumPy's random numbers its own.
+    assert [s[:4] for s in seen] == [(True, "-c", "set-after-the-template", os.getcwd())] * 2
+    assert seen[0][4] != seen[1][4]
+    assert [s[5] for s in seen] == ["", ""]
 
 
 def test_a_forked_workers_exit_status_is_reported(session):
@@ -118,6 +119,27 @@ def test_a_template_whose_imports_start_threads_is_refused_and_workers_start_ane
     assert template.pid not in _worker_parents(session)
     session.run("x = rank")
     assert session.gather("x") == [0, 1]
+
+
+def test_a_fork_that_cannot_start_and_a_stuck_template_fail_in_one_line(tmp_path):
+    template = forkserver.Template(["json"])
+    try:
+        assert template.wait_ready(60), template.error
+        output = tmp_path / "out.log"
+        pid = template.spawn("print('ran')", [], dict(os.environ), str(tmp_path / "missing"), str(output), timeout=10)
+        assert template.wait_exit(pid, 10) and template.exit_code(pid) == 127  # as a failed exec
+        assert "FileNotFoundError" in output.read_text() and "ran" not in output.read_text()
+        pid = template.spawn("print('ran')", [], dict(os.environ), str(tmp_path), str(output), timeout=10)
+        assert template.wait_exit(pid, 10) and template.exit_code(pid) == 0  # it serves on
+    finally:
+        template.close()
+    slow = forkserver.Template(["torch"])  # seconds of imports: not ready within 10 ms
+    try:
+        with pytest.raises(forkserver.TemplateError, match="not ready within"):
+            slow.spawn("pass", [], dict(os.environ), str(tmp_path), str(tmp_path / "o"), timeout=0.01)
+        assert slow.refused and slow.process.wait(10) is not None  # ended, and not waited for again
+    finally:
+        slow.close()
 
 
 def test_stop_ends_the_template(session):

@@ -38,6 +38,8 @@ _quiet_cluster_log.setLevel(logging.ERROR)
 # engine is registered at the first ping it answers: the short period makes that ~50 ms.
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 50
+# How long after its process ended an engine counts as lost (its last reply may be on its way).
+EXIT_GRACE_S = 0.3
 # How long a start-up probe of an engine may go unanswered before it is sent again.
 PROBE_AGAIN_S = 5.0
 
@@ -111,9 +113,8 @@ app.IPController.save_connection_dict = _save_connection_dict
 
 def _handle_pong(self, msg, _handle=heartmonitor.HeartMonitor.handle_pong):
     _handle(self, msg)
-    new = self.responses - self.hearts
-    if new:
-        self.handle_new_hearts(new)
+    if msg[0] in self.responses and msg[0] not in self.hearts:
+        self.handle_new_hearts({msg[0]})
 
 heartmonitor.HeartMonitor.handle_pong = _handle_pong
 from ipyparallel.controller.app import main
@@ -145,14 +146,22 @@ class _Forked:
         env = os.environ.copy()
         env.update(self.get_env())
         argv = self.args  # [python, "-c", MAIN, *ipyparallel's arguments]
+        # Popen(cwd=) reads a relative directory against the kernel's, not the template's; and
+        # ipyparallel's apps chdir to a default taken when they were imported (in the template).
+        cwd = os.path.abspath(self.work_dir)
         try:
-            self.pid = self.template.spawn(argv[2], argv[3:], env, self.work_dir, self.output_file,
+            self.pid = self.template.spawn(argv[2], [*argv[3:], f"--work-dir={cwd}"], env, cwd, self.output_file,
                                            timeout=TEMPLATE_WAIT_S)
         except forkserver.TemplateError as exc:
             log.info("%s starts as a new process: %s", self.identifier, exc)
             self.template = None
             return super().start()
-        self.process = psutil.Process(self.pid)
+        try:
+            self.process = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:  # ended at once, and the template reaped it
+            self.template.wait_exit(self.pid, 1.0)
+            how = describe_exit(self.template.exit_code(self.pid)) or "ended"
+            raise ClusterError(f"{self.identifier} {how} as it started (its output: {self.output_file})") from None
         self.notify_start(self.pid)
         LocalProcessLauncher._start_waiting(self)
 
@@ -511,6 +520,7 @@ class IPyParallelBackend(Backend):
         self._engine_ids: list[int] = []
         self._events: _IOPubEventQueue | None = None
         self._processes: dict[int, psutil.Process] = {}
+        self._ended_at: dict[int, float] = {}  # engine id -> when its process was first seen ended
         self._replaceable = False  # engines of our own local launcher: replace_workers keeps the controller
 
     # -- lifecycle -----------------------------------------------------------------
@@ -600,7 +610,9 @@ class IPyParallelBackend(Backend):
 
     @property
     def replaces_workers(self) -> bool:
-        return self._replaceable and self._client is not None and self._cluster is not None
+        controller = self._cluster.controller if self._cluster is not None else None
+        process = getattr(controller, "process", None)
+        return self._replaceable and self._client is not None and process is not None and process.is_running()
 
     def replace_workers(self, n: int, timeout: float) -> None:
         if not self.replaces_workers:
@@ -632,6 +644,7 @@ class IPyParallelBackend(Backend):
         # elsewhere reports (a Slurm node's) is used only if it is one of our launchers'.
         ours = {p.pid: p for p in self.local_processes()[1:]}
         self._processes = {eid: ours[pid] for eid, pid in pids.items() if pid in ours}
+        self._ended_at = {}
 
     def connect(self, n: int | None, timeout: float, *, profile: str | None = None,
                 cluster_id: str | None = None, url_file: str | None = None, **unknown: Any) -> None:
@@ -673,7 +686,7 @@ class IPyParallelBackend(Backend):
         client, cluster = self._client, self._cluster
         engines = self.local_processes()[1:]
         self._client = self._cluster = None
-        self._engine_ids, self._processes = [], {}
+        self._engine_ids, self._processes, self._ended_at = [], {}, {}
         if client is not None:
             _shut_engines(client, engines)
             client.close()
@@ -756,14 +769,18 @@ class IPyParallelBackend(Backend):
         return _IPPJob(client, ar, ranks, [self._engine_ids[r] for r in ranks], self._events, self._exited)
 
     def _exited(self, eid: int) -> bool:
-        """Whether the process of an engine started here has ended."""
+        """Whether the process of an engine started here ended (EXIT_GRACE_S ago: a reply it
+        sent as it exited may still be on its way)."""
         process = self._processes.get(eid)
         if process is None:
             return False
         try:
-            return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+            running = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
-            return True
+            running = False
+        if running:
+            return False
+        return time.monotonic() - self._ended_at.setdefault(eid, time.monotonic()) >= EXIT_GRACE_S
 
     def dead_ranks(self) -> list[int]:
         if self._client is None:
