@@ -15,8 +15,8 @@ once its ranks have trained and are still alive with everything they hold:
   dask         `%%distribute --workers 2` (automatic mode, the loop unchanged; `--backend dask`
                for Dask). The workers keep the cell's namespace, so after the cell they hold what
                torchrun's waiting ranks hold. Measured: every process the kernel started (all its
-               descendants: ipyparallel's controller and the processes it forks, the engines and
-               their nannies; Dask's workers and multiprocessing's resource tracker, where the
+               descendants: the worker template, ipyparallel's controller and the processes it
+               forks, the engines and their nannies; Dask's workers and multiprocessing's resource tracker, where the
                scheduler and the nannies are objects in the kernel), each labelled by role from
                its command line. The kernel itself is not part of the cluster's tree: it is
                reported apart, before the cluster started (torch imported, the data built) and
@@ -178,8 +178,21 @@ def memory_files(pid: int) -> dict[int, int]:
     return found
 
 
-def classify(cmd: str, parent_cmd: str, tree: str) -> tuple[str, bool]:
-    """(role, whether it is a rank that trains), from a process's command line and its parent's."""
+def classify(cmd: str, parent_cmd: str, tree: str, grandparent_cmd: str = "",
+             child_cmds: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """(role, whether it is a rank that trains), from a process's command line and its
+    parent's; for forks of the worker template (which show its command line), from where
+    they are in the tree."""
+    from jupyter_scale.forkserver import TEMPLATE_MAIN
+
+    if TEMPLATE_MAIN in cmd:
+        if TEMPLATE_MAIN not in parent_cmd:
+            return "worker template (the controller and engines are its forks)", False
+        if any("ipyparallel.engine.nanny" in c for c in child_cmds):
+            return "engine (a rank)", True
+        if TEMPLATE_MAIN in grandparent_cmd:  # forked by the controller
+            return "controller's forked schedulers + heart monitor", False
+        return "controller (hub)", False
     if tree == "torchrun":
         if "torch.distributed.run" in cmd:
             return "torchrun agent (launcher, c10d store)", False
@@ -203,10 +216,10 @@ def classify(cmd: str, parent_cmd: str, tree: str) -> tuple[str, bool]:
 def measure(procs: list[psutil.Process], tree: str) -> dict:
     """Every process of `procs` (those still alive) and the tree's totals."""
     records, frames, files = [], [], {}
-    commands = {}
+    commands, parents = {}, {}
     for p in procs:
         with contextlib.suppress(psutil.Error):
-            commands[p.pid] = " ".join(p.cmdline())
+            commands[p.pid], parents[p.pid] = " ".join(p.cmdline()), p.ppid()
     for p in procs:
         try:
             with p.oneshot():
@@ -217,7 +230,8 @@ def measure(procs: list[psutil.Process], tree: str) -> dict:
         except (psutil.Error, OSError):
             continue
         cmd = commands.get(p.pid, "")
-        role, trains = classify(cmd, commands.get(ppid, ""), tree)
+        children = tuple(commands[c] for c, parent in parents.items() if parent == p.pid)
+        role, trains = classify(cmd, commands.get(ppid, ""), tree, commands.get(parents.get(ppid, -1), ""), children)
         held = memory_files(p.pid)
         files.update(held)
         found = resident_frames(p.pid)

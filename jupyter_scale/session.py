@@ -147,6 +147,7 @@ class ScaleSession(LoggingConfigurable):
         # does not keep.
         self.cells: list[tuple[int | None, str]] = []
         self._history_before: int | None = None
+        self._warmed_up: str | None = None  # the engine whose warm_up ran (its worker template may be running)
 
     def record_cells(self) -> None:
         """From now on, note every cell the shell runs (its pre_run_cell event)."""
@@ -196,6 +197,9 @@ class ScaleSession(LoggingConfigurable):
             raise ClusterError(f"a cluster of {self.size} workers is already running; "
                                "use %scale restart --workers N to change it")
         started = time.monotonic()
+        if self._warmed_up is not None and (self.connection is not None or self._warmed_up != self.backend_name):
+            forkserver.close_all()  # what warm_up prepared for another engine, or for a cluster we start
+            self._warmed_up = None
         if self.connection is not None:
             name, where = self.connection
             backend = create_backend(name, parent=self)
@@ -258,6 +262,7 @@ class ScaleSession(LoggingConfigurable):
             return
         try:
             create_backend(self.backend_name, parent=self).warm_up()
+            self._warmed_up = self.backend_name
         except Exception:  # the start says what is wrong, with its context
             log.debug("warming up the %s engine failed", self.backend_name, exc_info=True)
 

@@ -214,3 +214,12 @@ def test_restart_resize_and_a_dead_worker_keep_the_controller_and_renew_the_work
     session.run("x = rank")  # restarts the workers first
     assert session.gather("x") == [0, 1, 2] and dead.pid not in {w["pid"] for w in session.workers}
     assert session.backend.local_processes()[0] == controller
+
+
+def test_a_cluster_of_another_engine_ends_the_template_load_ext_started(session):
+    session.warm_up()  # as %load_ext does, for the default engine
+    template = _template()
+    session.backend_name = "dask"  # %%distribute --backend dask
+    session.start(2)
+    assert template.process.wait(10) is not None  # its memory is not kept for nothing
+    assert not [p for p in psutil.Process().children() if p.pid == template.pid]
