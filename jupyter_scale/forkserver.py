@@ -302,6 +302,8 @@ class Template:
 
     def close(self, timeout: float = 5.0) -> None:
         """End the template (its workers live on: they are stopped through their engine)."""
+        if not self._ready.is_set():  # still importing, with no fork yet: it would read the pipe's end only after
+            self.process.kill()
         with contextlib.suppress(OSError):
             if self.process.stdin is not None:
                 self.process.stdin.close()
