@@ -120,7 +120,7 @@ def _tail(path: Path, lines: int = 15) -> str:
         return f"({e})"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """n distinct ports nobody listens on, below Linux's ephemeral range (32768-60999) so that no
     outgoing connection takes one of them meanwhile."""
     ports: list[int] = []
@@ -304,7 +304,7 @@ class Slurm:
                                f"--key-file={key}", f"--pid-file={d}/munged.pid",
                                f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"])
         self._wait("munged", lambda: self.munge_socket.exists(), deadline, [d / "munged.log"])
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, slurmd_port = free_ports(2)
         self.conf.write_text(_CONF.format(
             cluster=self.cluster, dir=d, munge_socket=self.munge_socket,
             controller=f"{self.node}({address})" if address else self.node,

@@ -214,11 +214,11 @@ def test_the_kubernetes_jobs_run_as_their_operators_start_them_and_train_alike(k
 
 
 def _free_port():
-    import socket
+    # Not one the kernel picks (bind to port 0): that is in the ephemeral range, where any
+    # outgoing connection (the Ray cluster's, the kernel's) may take it before the job binds it.
+    from slurm import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 NOTEBOOK = [
