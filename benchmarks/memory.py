@@ -206,6 +206,10 @@ def classify(cmd: str, parent_cmd: str, tree: str, grandparent_cmd: str = "",
         if "ipyparallel.controller.app" in parent_cmd:  # forked by the controller: the same command line
             return "controller's forked schedulers + heart monitor", False
         return "controller (hub)", False
+    if "multiprocessing.forkserver" in cmd and tree == "dask":
+        if "multiprocessing.forkserver" in parent_cmd:
+            return "Dask worker (a rank; a fork of the fork server; its nanny is in the kernel)", True
+        return "multiprocessing fork server (the Dask workers are its forks)", False
     if "multiprocessing.spawn" in cmd and tree == "dask":
         return "Dask worker (a rank; its nanny is in the kernel)", True
     if "multiprocessing.resource_tracker" in cmd:

@@ -22,6 +22,10 @@ with its own on those (`Template.suits`); otherwise the engine starts a new temp
 The template exits when the kernel closes its pipe or dies; its workers have their own
 watch on the kernel. Linux only (a fork of a process with loaded frameworks is unsafe on
 macOS).
+
+Engines that start their workers through `multiprocessing` (Dask's nannies) use its own fork
+server instead (`multiprocessing_server`), with the same imports preloaded: multiprocessing
+gives each fork the kernel's directory and `sys.path`, and the engine passes the environment.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -203,6 +210,13 @@ def load_time_settings(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
 
 
+def _suits(started_with: Mapping[str, str], started_in: str, env: Mapping[str, str]) -> bool:
+    """Whether a template started with this environment in this directory serves workers of `env`."""
+    relative = any(p and not os.path.isabs(p) for p in env.get("PYTHONPATH", "").split(os.pathsep))
+    return (load_time_settings(env) == load_time_settings(started_with)
+            and not (relative and os.getcwd() != started_in))
+
+
 class Template:
     """A template process (see the module's doc): `spawn` forks a worker from it."""
 
@@ -238,9 +252,7 @@ class Template:
     def suits(self, env: Mapping[str, str]) -> bool:
         """Whether a worker with this environment (and this process's directory) may come from
         this template."""
-        relative = any(p and not os.path.isabs(p) for p in env.get("PYTHONPATH", "").split(os.pathsep))
-        return (load_time_settings(env) == load_time_settings(self.env)
-                and not (relative and os.getcwd() != self.cwd))
+        return _suits(self.env, self.cwd, env)
 
     def wait_ready(self, timeout: float) -> bool:
         """Until it has imported everything (True), failed, or `timeout` passed (False)."""
@@ -368,9 +380,72 @@ def template(preload: list[str], env: Mapping[str, str] | None = None) -> Templa
 
 
 def close_all() -> None:
-    """End every template of this process (`%scale stop`, the extension unloaded)."""
+    """End every template of this process (`%scale stop`, the extension unloaded), and
+    multiprocessing's fork server if `multiprocessing_server` started it."""
     with _templates_lock:
         found = list(_templates.values())
         _templates.clear()
     for each in found:
         each.close()
+    _stop_multiprocessing_server()
+
+
+# multiprocessing's fork server, as we started it: its environment and directory (None: not ours).
+_server_started_with: tuple[dict[str, str], str] | None = None
+
+
+def multiprocessing_server(preload: list[str], env: Mapping[str, str]) -> bool:
+    """Have multiprocessing's "forkserver" start method fork from a server that imported
+    `preload`, started now unless the one started here before still suits `env` (this
+    process's environment, less what the engine sets in it for its own workers).
+
+    Its forks get this process's directory and `sys.path` from multiprocessing, and the
+    environment the server started with: the caller passes the kernel's current one for the
+    fork to apply (Dask's nanny does, see backends.dask). A variable removed since, or a
+    changed load-time setting, needs a new server. False where it cannot serve safely.
+    """
+    global _server_started_with
+    from multiprocessing import connection, util
+
+    # Its socket must be a file in a directory of ours: Pythons before 3.10.9 and 3.11.1 put it
+    # in Linux's abstract namespace, which every local user can connect to (and have it fork).
+    if not supported() or util.is_abstract_socket_namespace(connection.arbitrary_address("AF_UNIX")):
+        return False
+    env = dict(env)
+    if _server_started_with is not None:
+        started_with, started_in = _server_started_with
+        if _suits(started_with, started_in, env) and not set(started_with) - set(env):
+            multiprocessing.forkserver.ensure_running()  # started again if it died
+            return True
+        log.info("starting a new fork server: the environment changed")
+        _stop_multiprocessing_server()
+    elif _server_pid() is not None:
+        return False  # someone else's in this process (a DataLoader's): its imports and environment are not known
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    multiprocessing.forkserver.ensure_running()  # it imports `preload` on its own; forks wait for that
+    _server_started_with = (env, os.getcwd())
+    return True
+
+
+def _server_pid() -> int | None:
+    # multiprocessing keeps its one fork server in a private object.
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _stop_multiprocessing_server() -> None:
+    global _server_started_with
+    if _server_started_with is None:
+        return
+    _server_started_with = None
+    pid = _server_pid()
+    if pid is None:
+        return
+    # It reads the end of its pipe only after its imports, which may take long or never end:
+    # it is ended by pid (ours), then multiprocessing reaps it and forgets it (its private
+    # `_stop`: multiprocessing has no public way to end its fork server).
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(OSError, ChildProcessError):
+            stop()

@@ -122,8 +122,8 @@ class Kernel:
 
     def descendants(self) -> list:
         """Live processes started (directly or not) by the kernel process, but its worker
-        template itself (started at %load_ext, ended by %scale stop; the workers forked from
-        it count)."""
+        template or fork server itself (started at %load_ext, ended by %scale stop; the
+        workers forked from it count)."""
         import psutil
 
         try:
@@ -141,14 +141,18 @@ class Kernel:
 
 
 def _is_worker_template(process, kernel: int) -> bool:
-    """The kernel's child running the template's program (its forks show the same command line)."""
+    """The kernel's child running a template's program (its forks show the same command line)."""
     import psutil
 
     from jupyter_scale.forkserver import TEMPLATE_MAIN
 
     try:
-        return process.ppid() == kernel and process.cmdline()[1:3] == ["-c", TEMPLATE_MAIN]
-    except psutil.Error:
+        if process.ppid() != kernel:
+            return False
+        command = process.cmdline()
+        # Ours (ipyparallel's engines), or multiprocessing's fork server (Dask's workers).
+        return command[1:3] == ["-c", TEMPLATE_MAIN] or "from multiprocessing.forkserver import main" in command[-1]
+    except (psutil.Error, IndexError):
         return False
 
 

@@ -1,7 +1,8 @@
 """Workers forked from the kernel's template (jupyter_scale/forkserver.py), on the real
-ipyparallel engine: they are forks of it, they start like new processes, the template is
-replaced when it dies or the thread settings change, and nothing of it outlives `%scale stop`
-or the kernel."""
+ipyparallel engine, and from multiprocessing's fork server on Dask: they are forks of it, they
+start like new processes, the template is replaced when it dies or the thread settings change,
+restarts keep the controller or scheduler, and nothing of it outlives `%scale stop` or the
+kernel."""
 
 import os
 import signal
@@ -13,10 +14,13 @@ import time
 import psutil
 import pytest
 
+from traitlets.config import Config
+
 from conftest import _started_kernel, wait_gone
 from jupyter_scale import forkserver
 from jupyter_scale.backends import ipyparallel as ipp_backend
 from jupyter_scale.session import ScaleSession
+from stranger import run_as_stranger
 
 pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="worker templates need Linux")
 
@@ -155,6 +159,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 import jupyter_scale
 session = jupyter_scale.get_session()
+session.backend_name = {engine!r}
 session.warm_up()
 session.start(2)
 print("PIDS", " ".join(str(p.pid) for p in __import__("psutil").Process().children(recursive=True)), flush=True)
@@ -162,8 +167,9 @@ time.sleep(600)
 """
 
 
-def test_nothing_is_left_once_the_kernel_is_killed():
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.format(tests=os.path.dirname(__file__))],
+@pytest.mark.parametrize("engine", ["ipyparallel", "dask"])
+def test_nothing_is_left_once_the_kernel_is_killed(engine):
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.format(tests=os.path.dirname(__file__), engine=engine)],
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = ""
@@ -172,7 +178,9 @@ def test_nothing_is_left_once_the_kernel_is_killed():
             assert line, "the kernel ended before its cluster started"
         pids = [int(p) for p in line.split()[1:]]
         processes = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
-        assert len(processes) >= 4, line  # the template, the controller and its helpers, 2 engines
+        # The template, the controller and its helpers, 2 engines; or the fork server, the
+        # resource tracker and 2 Dask workers.
+        assert len(processes) >= 4, line
     finally:
         kernel.kill()
         kernel.wait(10)
@@ -182,12 +190,14 @@ def test_nothing_is_left_once_the_kernel_is_killed():
     assert not still, f"left behind by a SIGKILLed kernel: {still}"
 
 
-def test_a_notebook_kernel_starts_its_template_at_load_ext():
-    kernel = _started_kernel("ipyparallel")
+@pytest.mark.parametrize("engine,imports", [("ipyparallel", "ipyparallel.controller.app"),
+                                            ("dask", "multiprocessing.forkserver")])
+def test_a_notebook_kernel_starts_its_template_at_load_ext(engine, imports):
+    kernel = _started_kernel(engine)
     try:
         kernel.ok("import psutil, sys\n"
                   "children = [p.cmdline()[-1] for p in psutil.Process().children()]\n"
-                  "assert any('ipyparallel.controller.app' in c for c in children), children")
+                  f"assert any({imports!r} in c for c in children), children")
     finally:
         kernel.cell("%scale stop", timeout=60)
         leftovers = psutil.Process(kernel.pid).children(recursive=True)
@@ -223,3 +233,114 @@ def test_a_cluster_of_another_engine_ends_the_template_load_ext_started(session)
     session.start(2)
     assert template.process.wait(10) is not None  # its memory is not kept for nothing
     assert not [p for p in psutil.Process().children() if p.pid == template.pid]
+
+
+# -- Dask: multiprocessing's fork server --------------------------------------------------
+
+def _fork_server() -> psutil.Process:
+    pid = forkserver._server_pid()
+    assert pid is not None, "no fork server runs"
+    return psutil.Process(pid)
+
+
+@pytest.fixture
+def dask_session():
+    forkserver.close_all()
+    s = ScaleSession()
+    s.backend_name = "dask"
+    yield s
+    s.stop()
+    forkserver.close_all()
+
+
+def test_dask_workers_are_forks_of_the_fork_server_with_the_kernels_environment(dask_session, tmp_path,
+                                                                                monkeypatch):
+    session = dask_session
+    monkeypatch.setenv("JUPYTER_SCALE_GONE", "set when the server started")
+    session.start(2)
+    server = _fork_server()
+    assert _worker_parents(session) == {server.pid}
+    assert "torch" in " ".join(server.cmdline())  # preloaded
+
+    # Set after the server started, in another directory: the new workers have both.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JUPYTER_SCALE_T", "set-after-the-server")
+    session.restart(2)
+    assert _worker_parents(session) == {server.pid}
+    probe = ("import os, torch\nseen = (os.environ.get('JUPYTER_SCALE_T'), os.environ.get('JUPYTER_SCALE_GONE'), "
+             "os.getcwd(), torch.get_num_threads())")
+    session.run(probe, manual=True)
+    assert [s[:3] for s in session.gather("seen")] == [("set-after-the-server", "set when the server started",
+                                                         str(tmp_path))] * 2
+
+    # A variable removed, or a thread setting changed, since: a new server, and workers without it.
+    monkeypatch.delenv("JUPYTER_SCALE_GONE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    session.restart(2)
+    assert wait_gone([server], timeout=10) == []  # the old one ended
+    assert _worker_parents(session) == {_fork_server().pid}
+    session.run(probe, manual=True)
+    assert session.gather("seen") == [("set-after-the-server", None, str(tmp_path), 1)] * 2
+
+
+def test_dask_restart_resize_and_a_dead_worker_keep_the_scheduler_and_renew_the_workers(dask_session):
+    session = dask_session
+    session.start(2)
+    scheduler = session.backend.describe()["scheduler"]
+    server = _fork_server()
+    first = [psutil.Process(w["pid"]) for w in session.workers]
+    session.restart(3)
+    assert session.backend.describe()["scheduler"] == scheduler
+    assert len(session.workers) == 3 and not {p.pid for p in first} & {w["pid"] for w in session.workers}
+    assert wait_gone(first) == []
+    session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()")
+    assert session.gather("total") == [3.0] * 3
+    dead = psutil.Process(session.workers[1]["pid"])
+    dead.kill()
+    deadline = time.monotonic() + 10
+    while session.backend.dead_ranks() != [1]:
+        assert time.monotonic() < deadline, "the dead worker was not noticed"
+        time.sleep(0.01)
+    time.sleep(1)  # a nanny restarting its worker would have started by now
+    assert {p.pid for p in server.children()} == {w["pid"] for w in session.workers} - {dead.pid}
+    session.run("x = rank")  # restarts the workers first
+    assert session.gather("x") == [0, 1, 2] and dead.pid not in {w["pid"] for w in session.workers}
+    assert session.backend.describe()["scheduler"] == scheduler
+    assert {p.pid for p in server.children()} == {w["pid"] for w in session.workers}
+    session.restart(1)  # and down
+    assert session.size == 1 and session.backend.describe()["scheduler"] == scheduler
+
+
+def test_stop_ends_the_fork_server_and_a_stranger_cannot_reach_it(dask_session):
+    import multiprocessing.forkserver
+
+    dask_session.start(2)
+    server = _fork_server()
+    address = multiprocessing.forkserver._forkserver._forkserver_address
+    # Another local user cannot connect to it (and have it fork what they send).
+    result = run_as_stranger(f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect({address!r})
+        except OSError as exc:
+            print("REFUSED", type(exc).__name__)
+        else:
+            print("CONNECTED")
+    """)
+    assert "REFUSED PermissionError" in result.stdout, result.stdout + result.stderr
+    dask_session.stop()
+    assert wait_gone([server], timeout=10) == []
+    assert forkserver._server_pid() is None
+
+
+def test_dask_workers_start_anew_when_forking_is_off():
+    forkserver.close_all()
+    session = ScaleSession(config=Config({"DaskBackend": {"fork_workers": False}}))
+    session.backend_name = "dask"
+    try:
+        session.start(2)
+        assert _worker_parents(session) == {os.getpid()}  # multiprocessing's spawn, from this process
+        assert forkserver._server_pid() is None
+    finally:
+        session.stop()

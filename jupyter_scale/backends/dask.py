@@ -31,9 +31,12 @@ from typing import Any
 import dask
 import psutil
 from distributed import Client, LocalCluster, Nanny, get_worker
+from distributed.core import Status
 from distributed.security import Security
+from distributed.utils import get_mp_context
+from traitlets import Bool
 
-from .. import capture, metrics, worker
+from .. import capture, forkserver, metrics, worker
 from ..errors import ClusterError
 from ..launchers import Launcher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
@@ -49,6 +52,9 @@ LIVENESS_INTERVAL_S = 0.25
 SCATTER_MIN_BYTES = 1 << 20
 CLIENT_SEND_INTERVAL_S = 0.001
 TOPIC_SCHEME = "dask-topic"
+# What the embedded cluster's fork server imports once: what every worker imports anyway.
+FORK_PRELOAD = ["distributed", "torch", "jupyter_scale.worker", __name__]
+MULTIPROCESSING_METHOD = "distributed.worker.multiprocessing-method"
 # Dask's logs for debugging (see DaskBackend.start), short: they hold output and arguments.
 _FEW_KEPT = {"distributed.admin.low-level-log-length": 16}
 
@@ -157,9 +163,13 @@ class _Nanny(Nanny):
         self.born.append(self)
         self.exit_codes: dict[int | None, int] = {}  # pid (None: died while starting) -> code
         self._worker_pid: int | None = None
+        self._own_env = dict(self.env)
 
     async def instantiate(self):
         self._worker_pid = None
+        # A worker forked from the fork server has the environment the server started
+        # with; it is given the kernel's as it is now, as a spawned one would have.
+        self.env = {**os.environ, **self._own_env}
         status = await super().instantiate()
         self._worker_pid = self.process.pid if self.process is not None else None
         return status
@@ -167,6 +177,41 @@ class _Nanny(Nanny):
     def _on_worker_exit_sync(self, exitcode):
         self.exit_codes[self._worker_pid] = exitcode
         super()._on_worker_exit_sync(exitcode)
+
+    async def _on_worker_exit(self, exitcode):
+        # Dask's nanny starts a new worker when its worker dies. A rank's state dies with its
+        # worker, so the session renews every worker (replace_workers): one started here would
+        # only be stopped again, after a start competing with theirs for the CPU. It closes.
+        if self.status == Status.running:
+            self.close_gracefully(reason="jupyter_scale: its worker died")
+        await super()._on_worker_exit(exitcode)
+
+
+def _died_starting(nannies: list[_Nanny]) -> str | None:
+    died = [code for nanny in nannies for code in nanny.exit_codes.values()]
+    if not died:
+        return None
+    # Their output went to the kernel's own stderr, not to the notebook.
+    return (f"a worker process {describe_exit(died[0])} while starting (its output is in the kernel's log, "
+            "e.g. the terminal running Jupyter); fix the workers' environment and run the cell again")
+
+
+def _rank_order(workers: dict) -> list[str]:
+    """Worker addresses by (host, name): names that are numbers (a LocalCluster's) by value."""
+    def key(address: str) -> tuple:
+        info = workers[address]
+        name = str(info.get("name", ""))
+        return (info.get("host", ""), (0, int(name), "") if name.isdigit() else (1, 0, name), address)
+
+    return sorted(workers, key=key)
+
+
+def _end(processes: list) -> None:
+    """Wait (5 s at most) for processes the nannies were told to stop; kill what is left."""
+    _, alive = psutil.wait_procs(processes, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 class _TopicEventQueue(metrics.EventQueue):
@@ -275,9 +320,16 @@ class DaskBackend(Backend):
         return {"address": address if "://" in address else f"tcp://{address}",
                 **({"tls": options["tls"]} if options.get("tls") else {})}
 
+    fork_workers = Bool(True, config=True,
+                        help="The embedded cluster's workers are forks of multiprocessing's fork server, which "
+                             "imported torch and the worker code once and is kept across restarts (Linux); False: "
+                             "each worker is a new Python process (Dask's default, spawn).")
+
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._cluster: Any = None  # a LocalCluster, or dask-jobqueue's SLURMCluster
+        self._settings: dict = {}  # the Dask settings the embedded cluster's workers start under
+        self._nannies: list[_Nanny] = []  # every nanny of the embedded cluster, with how its workers ended
         self.client: Client | None = None
         self._addresses: list[str] = []
         self._pids: list[int] = []
@@ -292,6 +344,21 @@ class DaskBackend(Backend):
         self._scratch: tempfile.TemporaryDirectory | None = None
 
     # -- lifecycle -----------------------------------------------------------------
+    def warm_up(self) -> None:
+        self._fork_server()
+
+    def _fork_server(self) -> bool:
+        """Whether the embedded cluster's workers can fork from multiprocessing's fork server
+        (started here unless it runs), preloaded with FORK_PRELOAD."""
+        if not self.fork_workers:
+            return False
+        with dask.config.set({MULTIPROCESSING_METHOD: "forkserver"}):
+            get_mp_context()  # Dask sets the fork server's imports once, here; ours replace them
+        # Less what Dask's nannies set in this process's environment as they start workers.
+        nanny_sets = {"PYTHONHASHSEED", *dask.config.get("distributed.nanny.pre-spawn-environ", {})}
+        return forkserver.multiprocessing_server(FORK_PRELOAD, {k: v for k, v in os.environ.items()
+                                                                if k not in nanny_sets})
+
     def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self.client is not None:
             raise ClusterError("the Dask cluster is already running")
@@ -333,18 +400,14 @@ class DaskBackend(Backend):
             # owner-only, removed with it.
             "temporary-directory": scratch.name,
         }
-        def died_starting(exc: BaseException) -> str | None:
-            died = [code for nanny in nannies for code in nanny.exit_codes.values()]
-            if not died:
-                return None
-            # Their output went to the kernel's own stderr, not to the notebook.
-            return (f"a worker process {describe_exit(died[0])} while starting (its output is in the kernel's log, "
-                    "e.g. the terminal running Jupyter); fix the workers' environment and run the cell again")
-
+        # Read when a nanny starts a worker (here, and in replace_workers), not kept by it.
+        if self._fork_server():
+            settings[MULTIPROCESSING_METHOD] = "forkserver"
+        self._settings, self._nannies = settings, nannies
         failed = f"could not start {n} Dask workers"
-        with dask.config.set(settings), engine_errors(failed, detail=died_starting):
+        with dask.config.set(settings), engine_errors(failed, detail=lambda exc: _died_starting(nannies)):
             cluster = LocalCluster(**options)
-        with engine_errors(failed, cleanup=cluster.close):
+        with dask.config.set(settings), engine_errors(failed, cleanup=cluster.close):
             # Direct: results and big arguments go straight between the kernel and a worker,
             # not through the scheduler (which would copy them once more). The scheduler
             # makes its stream to the client now: it keeps few messages too.
@@ -353,6 +416,45 @@ class DaskBackend(Backend):
             client.wait_for_workers(n, timeout=timeout)
         self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
         self._attach(client, n, timeout)
+
+    @property
+    def replaces_workers(self) -> bool:
+        cluster = self._cluster
+        return (self.client is not None and isinstance(cluster, LocalCluster) and not self._remote
+                and getattr(cluster.scheduler, "status", None) == Status.running)
+
+    def replace_workers(self, n: int, timeout: float) -> None:
+        """New nannies and workers for the embedded cluster, whose scheduler stays (its
+        address, dashboard and client with it)."""
+        if not self.replaces_workers:
+            return super().replace_workers(n, timeout)
+        cluster, client = self._cluster, self.client
+        assert client is not None
+        deadline = time.monotonic() + timeout
+        processes = self.local_processes()
+        self._addresses, self._pids = [], []
+        born = len(self._nannies)  # the new nannies are appended to the list as they are made
+
+        def died() -> str | None:
+            return _died_starting(self._nannies[born:])
+
+        # The fork server, anew if the kernel's environment no longer suits it.
+        settings = {**self._settings, MULTIPROCESSING_METHOD: "forkserver" if self._fork_server() else "spawn"}
+        failed = f"could not start {n} new Dask workers"
+        with dask.config.set(settings), engine_errors(failed, detail=lambda exc: died()):
+            # Every nanny goes (a dead worker's too), stopping its worker; new ones start fresh.
+            cluster.scale(0)
+            while cluster.workers or client.scheduler_info(n_workers=-1)["workers"]:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{failed}: the old ones did not stop within {timeout:.0f} s")
+                time.sleep(0.01)
+            _end(processes)
+            cluster.scale(n)
+            while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
+                if died() or time.monotonic() > deadline:
+                    raise ClusterError(f"{failed}: {died() or f'they did not join within {timeout:.0f} s'}")
+                time.sleep(0.01)
+        self._adopt_workers(client, n)
 
     # `dask worker` imports a preload module in the nanny too (to check its arguments), which
     # would import torch there as well (a second or two and 250 MB per job): given as code, the
@@ -446,10 +548,8 @@ class DaskBackend(Backend):
             self._attach(client, n, timeout)
 
     def _attach(self, client: Client, n: int | None, timeout: float) -> None:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
-        if not workers:
+        if not client.scheduler_info(n_workers=-1)["workers"]:
             raise ClusterError("the Dask cluster has no workers (start some, or pass --workers N to wait for them)")
-        ordered = sorted(workers, key=lambda a: (workers[a].get("host", ""), str(workers[a].get("name", "")), a))
         self.client = client
         # The client batches what it sends the scheduler every 10 ms: a cell submitted
         # within 10 ms of the last message (the previous cell's release) waited that long
@@ -457,18 +557,26 @@ class DaskBackend(Backend):
         stream = getattr(client, "scheduler_comm", None)
         if stream is not None and hasattr(stream, "interval"):
             stream.interval = min(stream.interval, CLIENT_SEND_INTERVAL_S)
-        self._addresses = ordered[:n] if n else ordered
-        self._alive = self._alive_before = set(self._addresses)
         self._output_topic = f"jupyter_scale-output-{uuid.uuid4().hex[:12]}"
         client.subscribe_topic(self._output_topic, self._route_output)
         try:
-            self._pids = [pid for _, pid in sorted(
-                client.run(_pid, workers=self._addresses).items(), key=lambda kv: self._addresses.index(kv[0]))]
-        except Exception as exc:  # e.g. jupyter_scale is missing in the workers' environment
+            self._adopt_workers(client, n)
+        except ClusterError:
             self.client = None
             client.close()
+            raise
+
+    def _adopt_workers(self, client: Client, n: int | None) -> None:
+        """The cluster's workers (`n` of them, else all) are the ranks, in order."""
+        ordered = _rank_order(client.scheduler_info(n_workers=-1)["workers"])
+        addresses = ordered[:n] if n else ordered
+        try:
+            pids = client.run(_pid, workers=addresses)
+        except Exception as exc:  # e.g. jupyter_scale is missing in the workers' environment
             raise ClusterError(f"the Dask workers cannot run jupyter_scale ({type(exc).__name__}: {exc}); "
                                "install jupyter_scale and torch in the workers' environment") from exc
+        self._addresses, self._pids = addresses, [pids[a] for a in addresses]
+        self._alive = self._alive_before = set(addresses)
 
     def stop(self) -> None:
         client, cluster = self.client, self._cluster
@@ -484,11 +592,7 @@ class DaskBackend(Backend):
             try:
                 cluster.close(timeout=15)
             finally:
-                # What we started, by pid: a worker that ignored the nanny is stopped here.
-                _, alive = psutil.wait_procs(processes, timeout=5)
-                for process in alive:
-                    with contextlib.suppress(psutil.Error):
-                        process.kill()
+                _end(processes)  # what we started, by pid: a worker that ignored the nanny is stopped here
                 if self._scratch is not None:
                     self._scratch.cleanup()
                     self._scratch = None
@@ -518,8 +622,8 @@ class DaskBackend(Backend):
         return info
 
     def exit_code(self, pid: int) -> int | None:
-        for nanny in (self._cluster.workers.values() if self._cluster is not None else ()):
-            if pid in getattr(nanny, "exit_codes", {}):
+        for nanny in self._nannies:
+            if pid in nanny.exit_codes:
                 return nanny.exit_codes[pid]
         return None
 
