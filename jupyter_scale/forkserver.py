@@ -390,11 +390,13 @@ def close_all() -> None:
     _stop_multiprocessing_server()
 
 
-# multiprocessing's fork server, as we started it: its environment and directory (None: not ours).
+# multiprocessing's fork server, as we started it: its environment and directory (None: not ours),
+# and whether a probe forked from it ran (None: not tried yet).
 _server_started_with: tuple[dict[str, str], str] | None = None
+_server_works: bool | None = None
 
 
-def multiprocessing_server(preload: list[str], env: Mapping[str, str]) -> bool:
+def multiprocessing_server(preload: list[str], env: Mapping[str, str], verify: float | None = None) -> bool:
     """Have multiprocessing's "forkserver" start method fork from a server that imported
     `preload`, started now unless the one started here before still suits `env` (this
     process's environment, less what the engine sets in it for its own workers).
@@ -402,9 +404,11 @@ def multiprocessing_server(preload: list[str], env: Mapping[str, str]) -> bool:
     Its forks get this process's directory and `sys.path` from multiprocessing, and the
     environment the server started with: the caller passes the kernel's current one for the
     fork to apply (Dask's nanny does, see backends.dask). A variable removed since, or a
-    changed load-time setting, needs a new server. False where it cannot serve safely.
+    changed load-time setting, needs a new server. False where it cannot serve safely, or
+    (`verify`: the seconds to wait for its imports) where a probe forked from it does not run:
+    the environment breaks every new Python (a sitecustomize failing), or an import hangs.
     """
-    global _server_started_with
+    global _server_started_with, _server_works
     from multiprocessing import connection, util
 
     # Its socket must be a file in a directory of ours: Pythons before 3.10.9 and 3.11.1 put it
@@ -415,16 +419,58 @@ def multiprocessing_server(preload: list[str], env: Mapping[str, str]) -> bool:
     if _server_started_with is not None:
         started_with, started_in = _server_started_with
         if _suits(started_with, started_in, env) and not set(started_with) - set(env):
-            multiprocessing.forkserver.ensure_running()  # started again if it died
-            return True
-        log.info("starting a new fork server: the environment changed")
+            if _server_works is False:  # it would fail again in this environment
+                return False
+            if _server_pid() is not None:
+                return _verified(verify)
+        else:
+            log.info("starting a new fork server: the environment changed")
         _stop_multiprocessing_server()
     elif _server_pid() is not None:
         return False  # someone else's in this process (a DataLoader's): its imports and environment are not known
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     multiprocessing.forkserver.ensure_running()  # it imports `preload` on its own; forks wait for that
-    _server_started_with = (env, os.getcwd())
-    return True
+    _server_started_with, _server_works = (env, os.getcwd()), None
+    return _verified(verify)
+
+
+def _verified(within: float | None) -> bool:
+    """Whether the fork server works: a probe forked from it, once, ran (None: not checked)."""
+    global _server_started_with, _server_works
+    if within is None or _server_works is not None:
+        return _server_works is not False
+    deadline = time.monotonic() + within
+    probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="jupyter_scale-probe",
+                                                              daemon=True)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            probe.start()  # returns once the server forked it, after its imports: maybe never
+        except (OSError, EOFError) as exc:  # it is gone (died as it started): nothing answers
+            failed.append(exc)
+
+    starter = threading.Thread(target=start, name="jupyter_scale-probe", daemon=True)
+    starter.start()
+    starter.join(within)
+    if starter.is_alive():
+        why = f"it did not fork within {within:.0f} s"
+    elif failed:
+        why = f"{type(failed[0]).__name__}: {failed[0]}"
+    else:
+        probe.join(max(deadline - time.monotonic(), 1.0))
+        why = None if probe.exitcode == 0 else f"a probe it forked ended with {probe.exitcode}"
+    if why is None:
+        _server_works = True
+        return True
+    log.info("multiprocessing's fork server does not work (%s): workers start as new processes", why)
+    started_with = _server_started_with
+    _stop_multiprocessing_server()  # which also ends a start still waiting for it
+    if probe.is_alive():
+        probe.kill()
+    starter.join(5)
+    _server_started_with, _server_works = started_with, False  # kept: the same environment fails again
+    return False
 
 
 def _server_pid() -> int | None:

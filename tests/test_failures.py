@@ -190,7 +190,8 @@ def test_workers_that_cannot_import_torch_fail_the_start_with_the_cause(tmp_path
 DIES_AT_START = '''
 import os, sys
 _cmd = open("/proc/self/cmdline", "rb").read()
-if b"ipyparallel.engine" in _cmd or b"spawn_main" in _cmd or b"default_worker.py" in _cmd:
+if (b"ipyparallel.engine" in _cmd or b"spawn_main" in _cmd or b"multiprocessing.forkserver" in _cmd
+        or b"default_worker.py" in _cmd):
     sys.stderr.write("ImportError: libsimulated.so: cannot open shared object file\\n")
     sys.stderr.flush()
     os._exit(3)

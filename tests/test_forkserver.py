@@ -13,14 +13,13 @@ import time
 
 import psutil
 import pytest
-
+from stranger import run_as_stranger
 from traitlets.config import Config
 
 from conftest import _started_kernel, wait_gone
 from jupyter_scale import forkserver
 from jupyter_scale.backends import ipyparallel as ipp_backend
 from jupyter_scale.session import ScaleSession
-from stranger import run_as_stranger
 
 pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="worker templates need Linux")
 
@@ -344,3 +343,22 @@ def test_dask_workers_start_anew_when_forking_is_off():
         assert forkserver._server_pid() is None
     finally:
         session.stop()
+
+
+def test_a_fork_server_stuck_in_its_imports_is_ended_and_not_used(tmp_path, monkeypatch):
+    forkserver.close_all()
+    (tmp_path / "stuck_at_import.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # where the server, a new Python, imports from
+    try:
+        started = time.monotonic()
+        assert forkserver.multiprocessing_server(["stuck_at_import"], dict(os.environ), verify=3) is False
+        assert time.monotonic() - started < 30
+        assert forkserver._server_pid() is None  # ended, not left importing
+        # The same environment is not tried again (it would hang again); another one is.
+        assert forkserver.multiprocessing_server(["stuck_at_import"], dict(os.environ), verify=3) is False
+        assert time.monotonic() - started < 30
+        assert forkserver.multiprocessing_server(["os"], {**os.environ, "OMP_NUM_THREADS": "3"}, verify=30) is True
+        server = psutil.Process(forkserver._server_pid())
+    finally:
+        forkserver.close_all()
+    assert wait_gone([server], timeout=10) == []

@@ -347,9 +347,10 @@ class DaskBackend(Backend):
     def warm_up(self) -> None:
         self._fork_server()
 
-    def _fork_server(self) -> bool:
+    def _fork_server(self, verify: float | None = None) -> bool:
         """Whether the embedded cluster's workers can fork from multiprocessing's fork server
-        (started here unless it runs), preloaded with FORK_PRELOAD."""
+        (started here unless it runs), preloaded with FORK_PRELOAD; `verify`: the seconds to
+        wait for its imports and a probe forked from it (see forkserver.multiprocessing_server)."""
         if not self.fork_workers:
             return False
         with dask.config.set({MULTIPROCESSING_METHOD: "forkserver"}):
@@ -357,7 +358,7 @@ class DaskBackend(Backend):
         # Less what Dask's nannies set in this process's environment as they start workers.
         nanny_sets = {"PYTHONHASHSEED", *dask.config.get("distributed.nanny.pre-spawn-environ", {})}
         return forkserver.multiprocessing_server(FORK_PRELOAD, {k: v for k, v in os.environ.items()
-                                                                if k not in nanny_sets})
+                                                                if k not in nanny_sets}, verify)
 
     def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self.client is not None:
@@ -401,7 +402,7 @@ class DaskBackend(Backend):
             "temporary-directory": scratch.name,
         }
         # Read when a nanny starts a worker (here, and in replace_workers), not kept by it.
-        if self._fork_server():
+        if self._fork_server(verify=timeout):
             settings[MULTIPROCESSING_METHOD] = "forkserver"
         self._settings, self._nannies = settings, nannies
         failed = f"could not start {n} Dask workers"
@@ -439,7 +440,7 @@ class DaskBackend(Backend):
             return _died_starting(self._nannies[born:])
 
         # The fork server, anew if the kernel's environment no longer suits it.
-        settings = {**self._settings, MULTIPROCESSING_METHOD: "forkserver" if self._fork_server() else "spawn"}
+        settings = {**self._settings, MULTIPROCESSING_METHOD: "forkserver" if self._fork_server(verify=timeout) else "spawn"}
         failed = f"could not start {n} new Dask workers"
         with dask.config.set(settings), engine_errors(failed, detail=lambda exc: died()):
             # Every nanny goes (a dead worker's too), stopping its worker; new ones start fresh.
@@ -632,7 +633,8 @@ class DaskBackend(Backend):
         if not self.owns_cluster or self._remote:
             return []
         found = []
-        for pid in self._pids:
+        # Workers in this process (cluster_options processes=False) are not processes of their own.
+        for pid in set(self._pids) - {os.getpid()}:
             with contextlib.suppress(psutil.Error):
                 found.append(psutil.Process(pid))
         return found
