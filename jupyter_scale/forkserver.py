@@ -440,14 +440,15 @@ def _verified(within: float | None) -> bool:
     if within is None or _server_works is not None:
         return _server_works is not False
     deadline = time.monotonic() + within
-    probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="jupyter_scale-probe",
-                                                              daemon=True)
+    preload = list(multiprocessing.forkserver._forkserver._preload_modules or ())
+    probe = multiprocessing.get_context("forkserver").Process(target=_preloaded, args=(preload,),
+                                                              name="jupyter_scale-probe", daemon=True)
     failed: list[BaseException] = []
 
     def start() -> None:
         try:
             probe.start()  # returns once the server forked it, after its imports: maybe never
-        except (OSError, EOFError) as exc:  # it is gone (died as it started): nothing answers
+        except Exception as exc:  # it is gone (died as it started): nothing answers
             failed.append(exc)
 
     starter = threading.Thread(target=start, name="jupyter_scale-probe", daemon=True)
@@ -459,18 +460,36 @@ def _verified(within: float | None) -> bool:
         why = f"{type(failed[0]).__name__}: {failed[0]}"
     else:
         probe.join(max(deadline - time.monotonic(), 1.0))
-        why = None if probe.exitcode == 0 else f"a probe it forked ended with {probe.exitcode}"
+        why = (None if probe.exitcode == 0 else "its imports failed" if probe.exitcode == _NOT_PRELOADED
+               else f"a probe it forked did not finish within {within:.0f} s" if probe.exitcode is None
+               else f"a probe it forked ended with {probe.exitcode}")
     if why is None:
         _server_works = True
         return True
-    log.info("multiprocessing's fork server does not work (%s): workers start as new processes", why)
+    print(f"jupyter_scale: multiprocessing's fork server does not work ({why}); workers start as new processes",
+          file=sys.stderr, flush=True)
+    if probe.pid is not None:  # before the server goes: then the probe could no longer tell it is alive
+        with contextlib.suppress(OSError):
+            os.kill(probe.pid, signal.SIGKILL)
     started_with = _server_started_with
     _stop_multiprocessing_server()  # which also ends a start still waiting for it
-    if probe.is_alive():
-        probe.kill()
     starter.join(5)
+    with contextlib.suppress(Exception):
+        probe.join(5)
     _server_started_with, _server_works = started_with, False  # kept: the same environment fails again
     return False
+
+
+_NOT_PRELOADED = 3
+
+
+def _preloaded(modules: list[str]) -> None:
+    """The probe: whether the fork server imported every module it was given (it skips one
+    that fails to import, which would leave the workers to import it themselves)."""
+    missing = [m for m in modules if m not in sys.modules]
+    if missing:
+        print(f"not imported by the fork server: {missing}", file=sys.stderr)
+        sys.exit(_NOT_PRELOADED)
 
 
 def _server_pid() -> int | None:
@@ -487,10 +506,10 @@ def _stop_multiprocessing_server() -> None:
     if pid is None:
         return
     # It reads the end of its pipe only after its imports, which may take long or never end:
-    # it is ended by pid (ours), then multiprocessing reaps it and forgets it (its private
-    # `_stop`: multiprocessing has no public way to end its fork server).
+    # it is ended by pid (ours; it holds nothing that needs a clean exit), then multiprocessing
+    # reaps it and forgets it (its private `_stop`: it has no public way to end its fork server).
     with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGKILL)
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is not None:
         with contextlib.suppress(OSError, ChildProcessError):

@@ -266,20 +266,29 @@ def test_dask_workers_are_forks_of_the_fork_server_with_the_kernels_environment(
     monkeypatch.setenv("JUPYTER_SCALE_T", "set-after-the-server")
     session.restart(2)
     assert _worker_parents(session) == {server.pid}
-    probe = ("import os, torch\nseen = (os.environ.get('JUPYTER_SCALE_T'), os.environ.get('JUPYTER_SCALE_GONE'), "
-             "os.getcwd(), torch.get_num_threads())")
-    session.run(probe, manual=True)
-    assert [s[:3] for s in session.gather("seen")] == [("set-after-the-server", "set when the server started",
-                                                         str(tmp_path))] * 2
+    probe = ("import os, torch, numpy as np\nseen = (os.environ.get('JUPYTER_SCALE_T'), "
+             "os.environ.get('JUPYTER_SCALE_GONE'), os.getcwd(), torch.get_num_threads(), float(np.random.rand()))")
+    session.run(probe, manual=True)  # automatic mode seeds every rank alike
+    seen = session.gather("seen")
+    assert [s[:3] for s in seen] == [("set-after-the-server", "set when the server started", str(tmp_path))] * 2
+    assert seen[0][4] != seen[1][4]  # NumPy's random numbers their own
 
-    # A variable removed, or a thread setting changed, since: a new server, and workers without it.
-    monkeypatch.delenv("JUPYTER_SCALE_GONE")
+    # A thread setting changed since: a new server, whose workers have it.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     session.restart(2)
     assert wait_gone([server], timeout=10) == []  # the old one ended
+    server = _fork_server()
+    assert _worker_parents(session) == {server.pid}
+    session.run(probe, manual=True)
+    assert [s[3] for s in session.gather("seen")] == [1, 1]
+
+    # A variable removed since: a new server, and workers without it.
+    monkeypatch.delenv("JUPYTER_SCALE_GONE")
+    session.restart(2)
+    assert wait_gone([server], timeout=10) == []
     assert _worker_parents(session) == {_fork_server().pid}
     session.run(probe, manual=True)
-    assert session.gather("seen") == [("set-after-the-server", None, str(tmp_path), 1)] * 2
+    assert [s[:4] for s in session.gather("seen")] == [("set-after-the-server", None, str(tmp_path), 1)] * 2
 
 
 def test_dask_restart_resize_and_a_dead_worker_keep_the_scheduler_and_renew_the_workers(dask_session):
@@ -310,11 +319,18 @@ def test_dask_restart_resize_and_a_dead_worker_keep_the_scheduler_and_renew_the_
     assert session.size == 1 and session.backend.describe()["scheduler"] == scheduler
 
 
-def test_stop_ends_the_fork_server_and_a_stranger_cannot_reach_it(dask_session):
-    import multiprocessing.forkserver
-
+def test_stop_ends_the_fork_server(dask_session):
     dask_session.start(2)
     server = _fork_server()
+    dask_session.stop()
+    assert wait_gone([server], timeout=10) == []
+    assert forkserver._server_pid() is None
+
+
+def test_a_stranger_cannot_reach_the_fork_server(dask_session):
+    import multiprocessing.forkserver
+
+    dask_session.start(1)
     address = multiprocessing.forkserver._forkserver._forkserver_address
     # Another local user cannot connect to it (and have it fork what they send).
     result = run_as_stranger(f"""
@@ -328,9 +344,6 @@ def test_stop_ends_the_fork_server_and_a_stranger_cannot_reach_it(dask_session):
             print("CONNECTED")
     """)
     assert "REFUSED PermissionError" in result.stdout, result.stdout + result.stderr
-    dask_session.stop()
-    assert wait_gone([server], timeout=10) == []
-    assert forkserver._server_pid() is None
 
 
 def test_dask_workers_start_anew_when_forking_is_off():
@@ -357,6 +370,9 @@ def test_a_fork_server_stuck_in_its_imports_is_ended_and_not_used(tmp_path, monk
         # The same environment is not tried again (it would hang again); another one is.
         assert forkserver.multiprocessing_server(["stuck_at_import"], dict(os.environ), verify=3) is False
         assert time.monotonic() - started < 30
+        # One whose imports fail is not used either (the workers would import it all themselves).
+        assert forkserver.multiprocessing_server(["no_such_module_here"], {**os.environ, "OMP_NUM_THREADS": "2"},
+                                                 verify=30) is False
         assert forkserver.multiprocessing_server(["os"], {**os.environ, "OMP_NUM_THREADS": "3"}, verify=30) is True
         server = psutil.Process(forkserver._server_pid())
     finally:

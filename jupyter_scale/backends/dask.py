@@ -33,7 +33,6 @@ import psutil
 from distributed import Client, LocalCluster, Nanny, get_worker
 from distributed.core import Status
 from distributed.security import Security
-from distributed.utils import get_mp_context
 from traitlets import Bool
 
 from .. import capture, forkserver, metrics, worker
@@ -141,6 +140,11 @@ def dask_setup(dask_worker) -> None:
     would take SIGINT in its event loop and die. The kernel interrupts cells itself.
     """
     os.setpgrp()
+    # A fork of the fork server: Python's random reseeded itself, NumPy's global generator
+    # would be the same in every worker (drawn once, in the server).
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 async def _interrupt(run: str | None = None) -> bool:
@@ -329,7 +333,8 @@ class DaskBackend(Backend):
         super().__init__(**kwargs)
         self._cluster: Any = None  # a LocalCluster, or dask-jobqueue's SLURMCluster
         self._settings: dict = {}  # the Dask settings the embedded cluster's workers start under
-        self._nannies: list[_Nanny] = []  # every nanny of the embedded cluster, with how its workers ended
+        self._nannies: list[_Nanny] = []  # the embedded cluster's nannies, with how their workers ended
+        self._exit_codes: dict[int | None, int] = {}  # pid -> exit code, of the workers of nannies gone
         self.client: Client | None = None
         self._addresses: list[str] = []
         self._pids: list[int] = []
@@ -351,14 +356,25 @@ class DaskBackend(Backend):
         """Whether the embedded cluster's workers can fork from multiprocessing's fork server
         (started here unless it runs), preloaded with FORK_PRELOAD; `verify`: the seconds to
         wait for its imports and a probe forked from it (see forkserver.multiprocessing_server)."""
-        if not self.fork_workers:
+        if not self.fork_workers or "worker_class" in self.cluster_options:  # only our nanny passes the environment
             return False
-        with dask.config.set({MULTIPROCESSING_METHOD: "forkserver"}):
-            get_mp_context()  # Dask sets the fork server's imports once, here; ours replace them
-        # Less what Dask's nannies set in this process's environment as they start workers.
-        nanny_sets = {"PYTHONHASHSEED", *dask.config.get("distributed.nanny.pre-spawn-environ", {})}
-        return forkserver.multiprocessing_server(FORK_PRELOAD, {k: v for k, v in os.environ.items()
-                                                                if k not in nanny_sets}, verify)
+        # What each of our nannies writes into this process's environment before it starts a
+        # worker, written now: the server starts with it (Dask gives its workers one string
+        # hash seed: a fork keeps the server's).
+        pre_spawn = {k: str(v) for k, v in _worker_settings()["distributed.nanny.pre-spawn-environ"].items()}
+        if pre_spawn.get("PYTHONHASHSEED") in (None, "0"):
+            pre_spawn["PYTHONHASHSEED"] = "6640"  # as Dask's nanny does
+        os.environ.update(pre_spawn)
+        # Dask sets the fork server's imports once, at its first start, importing every
+        # optional package it knows of into this process to list them: ours are set instead.
+        import distributed.utils
+
+        distributed.utils._forkserver_preload_set = True
+        try:
+            return forkserver.multiprocessing_server(FORK_PRELOAD, os.environ, verify)
+        except Exception:  # workers start as new processes: what Dask does by default
+            log.info("multiprocessing's fork server failed to start", exc_info=True)
+            return False
 
     def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         if self.client is not None:
@@ -401,14 +417,13 @@ class DaskBackend(Backend):
             # owner-only, removed with it.
             "temporary-directory": scratch.name,
         }
+        self._settings, self._nannies, self._exit_codes = settings, nannies, {}
         # Read when a nanny starts a worker (here, and in replace_workers), not kept by it.
-        if self._fork_server(verify=timeout):
-            settings[MULTIPROCESSING_METHOD] = "forkserver"
-        self._settings, self._nannies = settings, nannies
+        fork = {MULTIPROCESSING_METHOD: "forkserver"} if self._fork_server(verify=timeout / 2) else {}
         failed = f"could not start {n} Dask workers"
-        with dask.config.set(settings), engine_errors(failed, detail=lambda exc: _died_starting(nannies)):
+        with dask.config.set({**settings, **fork}), engine_errors(failed, detail=lambda exc: _died_starting(nannies)):
             cluster = LocalCluster(**options)
-        with dask.config.set(settings), engine_errors(failed, cleanup=cluster.close):
+        with dask.config.set({**settings, **fork}), engine_errors(failed, cleanup=cluster.close):
             # Direct: results and big arguments go straight between the kernel and a worker,
             # not through the scheduler (which would copy them once more). The scheduler
             # makes its stream to the client now: it keeps few messages too.
@@ -416,7 +431,11 @@ class DaskBackend(Backend):
                 client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
             client.wait_for_workers(n, timeout=timeout)
         self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
-        self._attach(client, n, timeout)
+        try:
+            self._attach(client, n, timeout)
+        except BaseException:
+            self.stop()  # the cluster, its workers and its directory: not left behind
+            raise
 
     @property
     def replaces_workers(self) -> bool:
@@ -432,30 +451,42 @@ class DaskBackend(Backend):
         cluster, client = self._cluster, self.client
         assert client is not None
         deadline = time.monotonic() + timeout
-        processes = self.local_processes()
-        self._addresses, self._pids = [], []
-        born = len(self._nannies)  # the new nannies are appended to the list as they are made
-
-        def died() -> str | None:
-            return _died_starting(self._nannies[born:])
-
-        # The fork server, anew if the kernel's environment no longer suits it.
-        settings = {**self._settings, MULTIPROCESSING_METHOD: "forkserver" if self._fork_server(verify=timeout) else "spawn"}
         failed = f"could not start {n} new Dask workers"
-        with dask.config.set(settings), engine_errors(failed, detail=lambda exc: died()):
+        with dask.config.set(self._settings), engine_errors(failed, detail=lambda exc: self._died_starting()):
             # Every nanny goes (a dead worker's too), stopping its worker; new ones start fresh.
+            processes = self.local_processes()
             cluster.scale(0)
-            while cluster.workers or client.scheduler_info(n_workers=-1)["workers"]:
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"{failed}: the old ones did not stop within {timeout:.0f} s")
-                time.sleep(0.01)
-            _end(processes)
-            cluster.scale(n)
-            while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
-                if died() or time.monotonic() > deadline:
-                    raise ClusterError(f"{failed}: {died() or f'they did not join within {timeout:.0f} s'}")
-                time.sleep(0.01)
+            try:
+                while cluster.workers or client.scheduler_info(n_workers=-1)["workers"]:
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"{failed}: the old ones did not stop within {timeout:.0f} s")
+                    time.sleep(0.01)
+            finally:
+                _end(processes)
+            self._addresses, self._pids = [], []
+            self._forget_nannies()
+            # Only now (the old workers would lose their server), anew if the kernel's
+            # environment no longer suits it.
+            method = dask.config.get(MULTIPROCESSING_METHOD)  # the user's, unless we fork
+            if self._fork_server(verify=max(deadline - time.monotonic(), 1.0) / 2):
+                method = "forkserver"
+            with dask.config.set({MULTIPROCESSING_METHOD: method}):
+                cluster.scale(n)
+                while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
+                    if self._died_starting() or time.monotonic() > deadline:
+                        why = self._died_starting() or f"they did not join within {timeout:.0f} s"
+                        raise ClusterError(f"{failed}: {why}")
+                    time.sleep(0.01)
         self._adopt_workers(client, n)
+
+    def _forget_nannies(self) -> None:
+        """Drop the closed nannies (each holds its monitor's history), keeping how their workers ended."""
+        for nanny in self._nannies:
+            self._exit_codes.update(nanny.exit_codes)
+        self._nannies[:] = []  # in place: the cluster's nanny class appends to this list
+
+    def _died_starting(self) -> str | None:
+        return _died_starting(self._nannies)
 
     # `dask worker` imports a preload module in the nanny too (to check its arguments), which
     # would import torch there as well (a second or two and 250 MB per job): given as code, the
@@ -626,7 +657,7 @@ class DaskBackend(Backend):
         for nanny in self._nannies:
             if pid in nanny.exit_codes:
                 return nanny.exit_codes[pid]
-        return None
+        return self._exit_codes.get(pid)
 
     def local_processes(self) -> list:
         """psutil handles of the worker processes this backend started."""
