@@ -191,6 +191,24 @@ class _Nanny(Nanny):
         await super()._on_worker_exit(exitcode)
 
 
+class _LocalCluster(LocalCluster):
+    """A LocalCluster that never gives a worker name twice.
+
+    15 s after a worker left the scheduler (`distributed.deploy.lost-worker-timeout`), a
+    SpecCluster closes the worker of the same name if the scheduler does not list it: with
+    names given again after `scale(0)` (its counter starts over from where the names were
+    free), that was a new worker of a later restart, closed under a running cell.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._names_given = max((k for k in self.worker_spec if isinstance(k, int)), default=-1)
+
+    def _new_worker_name(self, worker_number):
+        self._names_given = max(self._names_given + 1, worker_number)
+        return self._names_given
+
+
 def _died_starting(nannies: list[_Nanny]) -> str | None:
     died = [code for nanny in nannies for code in nanny.exit_codes.values()]
     if not died:
@@ -422,7 +440,7 @@ class DaskBackend(Backend):
         fork = {MULTIPROCESSING_METHOD: "forkserver"} if self._fork_server(verify=timeout / 2) else {}
         failed = f"could not start {n} Dask workers"
         with dask.config.set({**settings, **fork}), engine_errors(failed, detail=lambda exc: _died_starting(nannies)):
-            cluster = LocalCluster(**options)
+            cluster = _LocalCluster(**options)
         with dask.config.set({**settings, **fork}), engine_errors(failed, cleanup=cluster.close):
             # Direct: results and big arguments go straight between the kernel and a worker,
             # not through the scheduler (which would copy them once more). The scheduler
