@@ -317,6 +317,13 @@ def test_dask_restart_resize_and_a_dead_worker_keep_the_scheduler_and_renew_the_
     assert {p.pid for p in server.children()} == {w["pid"] for w in session.workers}
     session.restart(1)  # and down
     assert session.size == 1 and session.backend.describe()["scheduler"] == scheduler
+    # The kept scheduler holds no call of the past: one still wanted would be computed again
+    # on a new worker that got a lost worker's address, ahead of that worker's own calls.
+    tasks = session.backend._cluster.scheduler.tasks
+    deadline = time.monotonic() + 10
+    while tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tasks, sorted(tasks)
 
 
 def test_stop_ends_the_fork_server(dask_session):
