@@ -204,12 +204,14 @@ def test_a_notebook_kernel_starts_its_template_at_load_ext(engine, imports):
         assert not wait_gone(leftovers)
 
 
-def test_restart_resize_and_a_dead_worker_keep_the_controller_and_renew_the_workers(session):
-    session.start(2)
-    controller = session.backend.local_processes()[0]
+def _resize_to_3_then_lose_rank_1(session: ScaleSession, kept) -> psutil.Process:
+    """`%scale restart --workers 3`: new workers that form a group, with `kept()` (the
+    controller or scheduler) unchanged; then rank 1's worker is SIGKILLed, and the session
+    knows within 10 s (by its pid on ipyparallel, before missed heartbeats). Its process."""
+    before = kept()
     first = [psutil.Process(w["pid"]) for w in session.workers]
     session.restart(3)
-    assert session.backend.local_processes()[0] == controller
+    assert kept() == before
     assert len(session.workers) == 3 and not {p.pid for p in first} & {w["pid"] for w in session.workers}
     assert wait_gone(first) == []
     session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()")
@@ -217,9 +219,16 @@ def test_restart_resize_and_a_dead_worker_keep_the_controller_and_renew_the_work
     dead = psutil.Process(session.workers[1]["pid"])
     dead.kill()
     deadline = time.monotonic() + 10
-    while session.backend.dead_ranks() != [1]:  # seen by its pid, before the controller misses its heartbeats
+    while session.backend.dead_ranks() != [1]:
         assert time.monotonic() < deadline, "the dead worker was not noticed"
         time.sleep(0.01)
+    return dead
+
+
+def test_restart_resize_and_a_dead_worker_keep_the_controller_and_renew_the_workers(session):
+    session.start(2)
+    controller = session.backend.local_processes()[0]
+    dead = _resize_to_3_then_lose_rank_1(session, lambda: session.backend.local_processes()[0])
     session.run("x = rank")  # restarts the workers first
     assert session.gather("x") == [0, 1, 2] and dead.pid not in {w["pid"] for w in session.workers}
     assert session.backend.local_processes()[0] == controller
@@ -240,6 +249,10 @@ def _fork_server() -> psutil.Process:
     pid = forkserver._server_pid()
     assert pid is not None, "no fork server runs"
     return psutil.Process(pid)
+
+
+def _worker_names(session: ScaleSession) -> set:
+    return {w.get("name") for w in session.backend.client.scheduler_info(n_workers=-1)["workers"].values()}
 
 
 @pytest.fixture
@@ -296,27 +309,21 @@ def test_dask_restart_resize_and_a_dead_worker_keep_the_scheduler_and_renew_the_
     session.start(2)
     scheduler = session.backend.describe()["scheduler"]
     server = _fork_server()
-    first = [psutil.Process(w["pid"]) for w in session.workers]
-    session.restart(3)
-    assert session.backend.describe()["scheduler"] == scheduler
-    assert len(session.workers) == 3 and not {p.pid for p in first} & {w["pid"] for w in session.workers}
-    assert wait_gone(first) == []
-    session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()")
-    assert session.gather("total") == [3.0] * 3
-    dead = psutil.Process(session.workers[1]["pid"])
-    dead.kill()
-    deadline = time.monotonic() + 10
-    while session.backend.dead_ranks() != [1]:
-        assert time.monotonic() < deadline, "the dead worker was not noticed"
-        time.sleep(0.01)
+    names = [_worker_names(session)]
+    dead = _resize_to_3_then_lose_rank_1(session, lambda: session.backend.describe()["scheduler"])
+    names.append(_worker_names(session))  # the two of the three that live
     time.sleep(1)  # a nanny restarting its worker would have started by now
     assert {p.pid for p in server.children()} == {w["pid"] for w in session.workers} - {dead.pid}
     session.run("x = rank")  # restarts the workers first
     assert session.gather("x") == [0, 1, 2] and dead.pid not in {w["pid"] for w in session.workers}
     assert session.backend.describe()["scheduler"] == scheduler
     assert {p.pid for p in server.children()} == {w["pid"] for w in session.workers}
+    names.append(_worker_names(session))
     session.restart(1)  # and down
     assert session.size == 1 and session.backend.describe()["scheduler"] == scheduler
+    # No name given twice: 15 s after a worker left, Dask closes a worker of the same name.
+    names.append(_worker_names(session))
+    assert sum(map(len, names)) == len(set().union(*names)), names
     # The kept scheduler holds no call of the past: one still wanted would be computed again
     # on a new worker that got a lost worker's address, ahead of that worker's own calls.
     tasks = session.backend._cluster.scheduler.tasks
