@@ -416,11 +416,15 @@ class TextProgress:
         self.interval = interval
         self.last: dict[int, dict] = {}  # rank -> latest metric point
         self._printed_at = time.monotonic()
-        self._steps_at_print: dict[int, int] = {}
+        # rank -> the point the next rate counts from: its first, then the last one printed.
+        # The rate is the points' own steps over their own times: the cluster's start before
+        # the first step (or a wait for the kernel) is not counted as training.
+        self._rate_from: dict[int, dict] = {}
         self._fresh = False
 
     def add(self, point: dict) -> None:
         self.last[point["rank"]] = point
+        self._rate_from.setdefault(point["rank"], point)
         self._fresh = True
 
     def due(self) -> bool:
@@ -438,10 +442,10 @@ class TextProgress:
         for name in names[:3]:
             values = " ".join(f"r{r} {self.last[r][name]:.4g}" for r in ranks if name in self.last[r])
             parts.append(f"{name} {values}")
-        elapsed = now - self._printed_at
-        done = self.last[ranks[0]]["step"] + 1
-        if elapsed > 0 and done > self._steps_at_print.get(ranks[0], 0):
-            parts.append(f"{(done - self._steps_at_print.get(ranks[0], 0)) / elapsed:.0f} steps/s")
-        self._steps_at_print[ranks[0]] = done
+        since, latest = self._rate_from[ranks[0]], self.last[ranks[0]]
+        seconds = latest["time"] - since["time"]
+        if seconds > 0 and latest["step"] > since["step"]:
+            parts.append(f"{(latest['step'] - since['step']) / seconds:.0f} steps/s")
+        self._rate_from[ranks[0]] = latest
         self._printed_at, self._fresh = now, False
         return "  ".join(parts)

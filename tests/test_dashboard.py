@@ -39,6 +39,16 @@ def test_events_from_two_ranks_reach_the_widget_model_in_order():
     assert [w["state"] for w in sent[-1]["state"]["workers"]] == ["finished", "finished"]
 
 
+def test_the_rate_and_eta_count_training_only():
+    feed = DashboardFeed(world_size=1, total_steps=1000)
+    time.sleep(0.2)  # the cluster starting
+    feed.add({"rank": 0, "step": 0, "time": 100.0, "loss": 1.0})
+    feed.add({"rank": 0, "step": 50, "time": 100.5, "loss": 0.9})
+    assert feed.progress()["rate"] == 0 and "eta" not in feed.progress()  # not measured yet: nothing shown
+    feed.add({"rank": 0, "step": 200, "time": 101.0, "loss": 0.5})  # by the rank's clock, 200 steps in 1 s
+    assert feed.progress()["rate"] == 200 and feed.progress()["eta"] == 4.0  # 799 steps left
+
+
 def test_long_runs_are_downsampled_for_the_chart_only():
     feed = DashboardFeed(world_size=1)
     for e in events(10_000, ranks=(0,)):

@@ -279,14 +279,18 @@ def test_report_refuses_the_names_it_sets_itself():
     assert recorder.drain() == []
 
 
-def test_text_progress_is_one_concise_line():
+def test_text_progress_is_one_concise_line_with_the_rate_of_training_alone():
     progress = metrics.TextProgress(interval=0)
-    progress.add({"rank": 0, "step": 119, "time": 0, "loss": 0.4321})
-    progress.add({"rank": 1, "step": 119, "time": 0, "loss": 0.45})
+    time.sleep(0.2)  # the cluster starting: not training
+    progress.add({"rank": 0, "step": 0, "time": 100.0, "loss": 0.9})
+    progress.add({"rank": 0, "step": 119, "time": 100.5, "loss": 0.4321})
+    progress.add({"rank": 1, "step": 119, "time": 100.5, "loss": 0.45})
     assert progress.due()
-    line = progress.line()
-    assert line.startswith("step 120  loss r0 0.4321 r1 0.45  ") and line.endswith(" steps/s")
+    # From the first step to the latest, by the points' own clocks: 119 steps in 0.5 s.
+    assert progress.line() == "step 120  loss r0 0.4321 r1 0.45  238 steps/s"
     assert not progress.due()  # nothing new since
+    progress.add({"rank": 0, "step": 219, "time": 101.0, "loss": 0.3})
+    assert progress.line().endswith("loss r0 0.3 r1 0.45  200 steps/s")  # since the last line
 
 
 def test_history_of_a_distributed_run_is_complete_and_live(kernel, tmp_path):

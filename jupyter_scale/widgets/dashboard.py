@@ -68,7 +68,9 @@ class DashboardFeed:
         row["last_step"] = event["step"]
         if "epoch" in event:
             row["epoch"] = event["epoch"]
-        now = time.monotonic()
+        # Each rank's rate by its own clock, from its first reported step: not the cluster's
+        # start before it, nor when the batches happened to reach the kernel.
+        now = event["time"]
         mark_time, mark_step = self._rate_mark.setdefault(rank, (now, event["step"]))
         if now - mark_time >= 1.0:
             row["steps_per_s"] = round((event["step"] - mark_step) / (now - mark_time), 1)
@@ -98,7 +100,7 @@ class DashboardFeed:
         step = max(steps) if steps else 0
         elapsed = time.monotonic() - self.started
         rates = [row["steps_per_s"] for row in self.rows.values() if row.get("steps_per_s")]
-        rate = min(rates) if rates else (step / elapsed if elapsed > 0 else 0.0)
+        rate = min(rates) if rates else 0.0  # none shown (nor an ETA) until a rank measured one
         info = {"step": step, "elapsed": round(elapsed, 1), "rate": round(rate, 1)}
         epochs = [row["epoch"] for row in self.rows.values() if "epoch" in row]
         if epochs:
