@@ -47,6 +47,16 @@ def test_the_rate_and_eta_count_training_only():
     assert feed.progress()["rate"] == 0 and "eta" not in feed.progress()  # not measured yet: nothing shown
     feed.add({"rank": 0, "step": 200, "time": 101.0, "loss": 0.5})  # by the rank's clock, 200 steps in 1 s
     assert feed.progress()["rate"] == 200 and feed.progress()["eta"] == 4.0  # 799 steps left
+    feed.add({"rank": 0, "step": 0, "time": 102.0, "loss": 0.4})  # steps counted from 0 again: no negative rate
+    feed.add({"rank": 0, "step": 100, "time": 103.0, "loss": 0.3})
+    assert feed.progress()["rate"] == 100
+
+
+def test_a_slow_model_still_gets_a_rate_and_an_eta():
+    feed = DashboardFeed(world_size=1, total_steps=10)
+    feed.add({"rank": 0, "step": 0, "time": 100.0, "loss": 1.0})
+    feed.add({"rank": 0, "step": 1, "time": 130.0, "loss": 0.9})  # 30 s a step
+    assert feed.progress()["rate"] == 0.033 and feed.progress()["eta"] == 240.0  # 8 steps left
 
 
 def test_long_runs_are_downsampled_for_the_chart_only():

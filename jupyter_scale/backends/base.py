@@ -120,20 +120,21 @@ class Job(abc.ABC):
 
     # A no-op by default, not abstract: only engines that keep something override it.
     def release(self) -> None:  # noqa: B027
-        """Drop whatever the engine keeps of this job (results can be large); a call not
-        answered yet is cancelled. Called again, it does nothing."""
+        """Drop whatever the engine keeps of this job (results can be large). Called again,
+        it does nothing."""
 
     def wait(self, timeout: float, poll: float = 0.1) -> list[Any]:
-        """Block until every rank finished; the results in rank order. The job is released
-        then, or when the wait fails: a call the engine still holds could run later (Dask
-        computes a wanted result again, on a new worker that got a lost one's address)."""
+        """Block until every rank finished; the results in rank order, and the job released
+        (what an engine keeps of a call can come back: Dask computes a result still wanted
+        again when its worker dies). When the wait fails the job is the caller's to stop
+        or release."""
+        deadline = time.monotonic() + timeout
+        while not all(self.done(r) for r in self.ranks):
+            if time.monotonic() > deadline:
+                pending = [r for r in self.ranks if not self.done(r)]
+                raise ClusterError(f"ranks {pending} did not answer within {timeout:.0f} s")
+            self.wait_activity(poll)
         try:
-            deadline = time.monotonic() + timeout
-            while not all(self.done(r) for r in self.ranks):
-                if time.monotonic() > deadline:
-                    pending = [r for r in self.ranks if not self.done(r)]
-                    raise ClusterError(f"ranks {pending} did not answer within {timeout:.0f} s")
-                self.wait_activity(poll)
             return [self.result(r) for r in self.ranks]
         finally:
             self.release()

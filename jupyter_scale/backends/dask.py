@@ -470,6 +470,11 @@ class DaskBackend(Backend):
         assert client is not None
         deadline = time.monotonic() + timeout
         failed = f"could not start {n} new Dask workers"
+        # Every call of the old workers goes first: one the scheduler still held (a job
+        # nobody waited for to the end: a cell's farewell to its ranks, a wait that failed) is
+        # pinned to its worker's address, and would run on a new worker that gets that port.
+        for job in list(self._jobs.values()):
+            job.release()
         with dask.config.set(self._settings), engine_errors(failed, detail=lambda exc: self._died_starting()):
             # Every nanny goes (a dead worker's too), stopping its worker; new ones start fresh.
             processes = self.local_processes()

@@ -51,6 +51,7 @@ class DashboardFeed:
         self.rows: dict[int, dict] = {r: {"rank": r, "state": "starting"} for r in range(world_size)}
         self.state, self.message, self.lost = "starting", "", 0
         self._rate_mark: dict[int, tuple[float, int]] = {}
+        self._rates: dict[int, float] = {}  # rank -> steps/s, unrounded (a slow model's can be far below 0.1)
 
     def add(self, event: dict) -> None:
         rank = event.get("rank", 0)
@@ -72,8 +73,11 @@ class DashboardFeed:
         # start before it, nor when the batches happened to reach the kernel.
         now = event["time"]
         mark_time, mark_step = self._rate_mark.setdefault(rank, (now, event["step"]))
-        if now - mark_time >= 1.0:
-            row["steps_per_s"] = round((event["step"] - mark_step) / (now - mark_time), 1)
+        if event["step"] < mark_step or now < mark_time:  # steps counted anew (an epoch), or the clock set back
+            self._rate_mark[rank] = (now, event["step"])
+        elif now - mark_time >= 1.0:
+            self._rates[rank] = (event["step"] - mark_step) / (now - mark_time)
+            row["steps_per_s"] = round(self._rates[rank], 2)
             self._rate_mark[rank] = (now, event["step"])
         if self.metric in event:
             self.curves.setdefault(rank, []).append([event["step"], event[self.metric]])
@@ -99,9 +103,9 @@ class DashboardFeed:
         steps = [row.get("last_step", -1) + 1 for row in self.rows.values()]
         step = max(steps) if steps else 0
         elapsed = time.monotonic() - self.started
-        rates = [row["steps_per_s"] for row in self.rows.values() if row.get("steps_per_s")]
+        rates = [r for r in self._rates.values() if r > 0]
         rate = min(rates) if rates else 0.0  # none shown (nor an ETA) until a rank measured one
-        info = {"step": step, "elapsed": round(elapsed, 1), "rate": round(rate, 1)}
+        info = {"step": step, "elapsed": round(elapsed, 1), "rate": round(rate, 3 if rate < 1 else 1)}
         epochs = [row["epoch"] for row in self.rows.values() if "epoch" in row]
         if epochs:
             info["epoch"] = max(epochs)
