@@ -128,3 +128,16 @@ def test_rays_settings_reach_the_head_and_the_actors():
     finally:
         session.stop()
     assert not ray.is_initialized()
+
+
+def test_a_wait_that_times_out_leaves_the_job_running_for_its_caller_to_stop(engine):
+    job = engine.submit(time.sleep, 3)
+    with pytest.raises(Exception, match="did not answer"):
+        job.wait(0.5)
+    assert not any(job.done(r) for r in job.ranks)  # still running, as the caller that stops it sees
+    deadline = time.monotonic() + 30
+    while not all(job.done(r) for r in job.ranks):
+        assert time.monotonic() < deadline, "the calls never finished"
+        job.wait_activity(0.1)
+    assert [job.result(r) for r in job.ranks] == [None] * 3
+    job.release()
