@@ -209,15 +209,6 @@ class _LocalCluster(LocalCluster):
         return self._names_given
 
 
-def _died_starting(nannies: list[_Nanny]) -> str | None:
-    died = [code for nanny in nannies for code in nanny.exit_codes.values()]
-    if not died:
-        return None
-    # Their output went to the kernel's own stderr, not to the notebook.
-    return (f"a worker process {describe_exit(died[0])} while starting (its output is in the kernel's log, "
-            "e.g. the terminal running Jupyter); fix the workers' environment and run the cell again")
-
-
 def _rank_order(workers: dict) -> list[str]:
     """Worker addresses by (host, name): names that are numbers (a LocalCluster's) by value."""
     def key(address: str) -> tuple:
@@ -439,7 +430,7 @@ class DaskBackend(Backend):
         # Read when a nanny starts a worker (here, and in replace_workers), not kept by it.
         fork = {MULTIPROCESSING_METHOD: "forkserver"} if self._fork_server(verify=timeout / 2) else {}
         failed = f"could not start {n} Dask workers"
-        with dask.config.set({**settings, **fork}), engine_errors(failed, detail=lambda exc: _died_starting(nannies)):
+        with dask.config.set({**settings, **fork}), engine_errors(failed, detail=lambda exc: self._died_starting()):
             cluster = _LocalCluster(**options)
         with dask.config.set({**settings, **fork}), engine_errors(failed, cleanup=cluster.close):
             # Direct: results and big arguments go straight between the kernel and a worker,
@@ -449,11 +440,7 @@ class DaskBackend(Backend):
                 client = Client(cluster, set_as_default=False, timeout=timeout, direct_to_workers=True)
             client.wait_for_workers(n, timeout=timeout)
         self._cluster, self.owns_cluster, self._scratch = cluster, True, scratch
-        try:
-            self._attach(client, n, timeout)
-        except BaseException:
-            self.stop()  # the cluster, its workers and its directory: not left behind
-            raise
+        self._attach(client, n, timeout)
 
     @property
     def replaces_workers(self) -> bool:
@@ -509,7 +496,13 @@ class DaskBackend(Backend):
         self._nannies[:] = []  # in place: the cluster's nanny class appends to this list
 
     def _died_starting(self) -> str | None:
-        return _died_starting(self._nannies)
+        """How a worker of the current nannies ended while starting, if one did."""
+        died = [code for nanny in self._nannies for code in nanny.exit_codes.values()]
+        if not died:
+            return None
+        # Their output went to the kernel's own stderr, not to the notebook.
+        return (f"a worker process {describe_exit(died[0])} while starting (its output is in the kernel's log, "
+                "e.g. the terminal running Jupyter); fix the workers' environment and run the cell again")
 
     # `dask worker` imports a preload module in the nanny too (to check its arguments), which
     # would import torch there as well (a second or two and 250 MB per job): given as code, the
@@ -603,22 +596,24 @@ class DaskBackend(Backend):
             self._attach(client, n, timeout)
 
     def _attach(self, client: Client, n: int | None, timeout: float) -> None:
-        if not client.scheduler_info(n_workers=-1)["workers"]:
-            raise ClusterError("the Dask cluster has no workers (start some, or pass --workers N to wait for them)")
+        """Take `client`'s cluster's workers as the ranks; on failure, stop what start() started
+        (a cluster we only connect to: the client is closed)."""
         self.client = client
-        # The client batches what it sends the scheduler every 10 ms: a cell submitted
-        # within 10 ms of the last message (the previous cell's release) waited that long
-        # before leaving the kernel, half of a trivial cell's time here. 1 ms, as a worker's.
-        stream = getattr(client, "scheduler_comm", None)
-        if stream is not None and hasattr(stream, "interval"):
-            stream.interval = min(stream.interval, CLIENT_SEND_INTERVAL_S)
-        self._output_topic = f"jupyter_scale-output-{uuid.uuid4().hex[:12]}"
-        client.subscribe_topic(self._output_topic, self._route_output)
         try:
+            if not client.scheduler_info(n_workers=-1)["workers"]:
+                raise ClusterError("the Dask cluster has no workers (start some, or pass --workers N to wait for "
+                                   "them)")
+            # The client batches what it sends the scheduler every 10 ms: a cell submitted
+            # within 10 ms of the last message (the previous cell's release) waited that long
+            # before leaving the kernel, half of a trivial cell's time here. 1 ms, as a worker's.
+            stream = getattr(client, "scheduler_comm", None)
+            if stream is not None and hasattr(stream, "interval"):
+                stream.interval = min(stream.interval, CLIENT_SEND_INTERVAL_S)
+            self._output_topic = f"jupyter_scale-output-{uuid.uuid4().hex[:12]}"
+            client.subscribe_topic(self._output_topic, self._route_output)
             self._adopt_workers(client, n)
-        except ClusterError:
-            self.client = None
-            client.close()
+        except BaseException:
+            self.stop()  # the cluster, its workers and its directory: not left behind
             raise
 
     def _adopt_workers(self, client: Client, n: int | None) -> None:
