@@ -27,6 +27,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+# Imported before any group forms: its functions take `group=group.WORLD` as a default,
+# evaluated at import. Imported after init_process_group (torch._dynamo imports it, and the
+# first optimizer imports torch._dynamo), those defaults would hold the group forever:
+# destroy_process_group could not end gloo's threads, a re-formed group's calls there would
+# go to the dead one, and a torchrun process could abort at exit ("terminate called without
+# an active exception") when one of those threads frees a tensor as Python finalizes.
+import torch.distributed.nn.functional  # noqa: F401  (for its import-time defaults)
+
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"

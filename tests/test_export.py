@@ -111,6 +111,27 @@ def test_the_exported_cell_trains_to_the_weights_the_cell_trains_to(kernel, tmp_
     assert any(line.startswith("jupyter_scale==") or line.startswith("jupyter-scale==") for line in requirements)
 
 
+def test_a_job_ends_its_group_at_finish_so_no_gloo_thread_outlives_it(tmp_path):
+    # A gloo thread still running as Python finalizes can abort the process ("terminate called
+    # without an active exception") when it frees a tensor: torchrun then fails the whole job.
+    # Here the optimizer imports torch._dynamo after the group formed, as in most scripts.
+    (tmp_path / "train.py").write_text("""
+import os, torch
+import jupyter_scale.script
+job = jupyter_scale.script.start(seed=0)
+rank, world_size, local_rank, device, report = job.cell()
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(8, 4)).sum().backward()
+opt.step()
+job.finish(model=model)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(f"rank {rank} gloo threads left:", [n for n in names if n.startswith(("pt_gloo", "gloo_"))], flush=True)
+""")
+    said = run_job(["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "train.py"], cwd=tmp_path)
+    assert "rank 0 gloo threads left: []" in said and "rank 1 gloo threads left: []" in said, said
+
+
 def test_the_sbatch_job_trains_to_the_same_weights_on_slurm(kernel, tmp_path):
     reason = slurm.unavailable_reason()
     if reason:

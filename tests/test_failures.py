@@ -266,11 +266,21 @@ while time.time() - started < 120:      # far longer than the test lets it run
 """
 
 
+# Run on the workers: how many threads gloo's process groups run in this process.
+GLOO_THREADS = """
+import os
+gloo_threads = sum(open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo_"))
+                   for t in os.listdir("/proc/self/task"))
+"""
+
+
 def test_interrupting_training_stops_every_rank_and_training_goes_on_from_equal_weights(kernel):
     import threading
 
     kernel.ok("torch.manual_seed(0)\nnet = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))\n"
               "data = TensorDataset(torch.randn(4096, 16), torch.randint(0, 4, (4096,)))")
+    kernel.ok("%%distribute --manual\n" + GLOO_THREADS)
+    threads_of_one_group = kernel.value("jupyter_scale.get_session().gather('gloo_threads')")
     timer = threading.Timer(2.0, kernel.manager.interrupt_kernel)  # mid-epoch, ranks inside steps
 
     def on_stream(name, text):
@@ -301,6 +311,10 @@ weights = torch.cat([p.detach().flatten() for p in net.parameters()])
     assert kernel.value("torch.equal(*jupyter_scale.get_session().gather('weights'))") is True
     assert kernel.value("torch.equal(torch.cat([p.detach().flatten() for p in net.parameters()]), "
                         "jupyter_scale.get_session().gather('weights')[0])") is True
+    # The group the interrupt ended is gone from the workers, not kept beside the new one
+    # (the training cell's optimizer imported torch._dynamo after the group formed).
+    kernel.ok("%%distribute --manual\n" + GLOO_THREADS)
+    assert kernel.value("jupyter_scale.get_session().gather('gloo_threads')") == threads_of_one_group
 
 
 def test_an_interrupt_while_a_rank_waits_in_a_collective_is_a_keyboard_interrupt(kernel):
