@@ -97,10 +97,6 @@ class SidebarChannel:
     def __init__(self, session: Any):
         self.session = session
         self.comms: dict[str, Any] = {}  # comms a sidebar holds: they get every state
-        # The comm the kernel opens at %load_ext, until a sidebar answers on it: nbclient,
-        # nbval or a frontend without the extension never do, and a state push every
-        # cell would cost them a message or two (a few ms per trivial cell) for nobody.
-        self.greeting: Any = None
         self.feed: DashboardFeed | None = None
         self.record: Any = None  # the RunRecord of the current or last job
         self._pushed_at = 0.0
@@ -108,24 +104,21 @@ class SidebarChannel:
 
     # -- comms ---------------------------------------------------------------------
     def register(self, shell: Any) -> bool:
-        """Register the comm target in `shell`'s kernel and greet an open sidebar.
+        """Register the comm target in `shell`'s kernel and tell an open sidebar.
         False where there is no kernel (plain IPython, scripts): nothing to attach to."""
         if getattr(shell, "kernel", None) is None:
             return False
-        from comm import create_comm, get_comm_manager
+        from comm import get_comm_manager
 
         get_comm_manager().register_target(COMM_TARGET, self._on_open)
-        self.greeting = create_comm(target_name=COMM_TARGET, data=self.state())
-        self.greeting.on_msg(lambda msg, comm=self.greeting: self._answered(comm, msg))
-        self.greeting.on_close(lambda msg: setattr(self, "greeting", None))  # no sidebar there
+        # A sidebar already showing opens its comm when the reply to this cell carries this
+        # payload. Frontends ignore payloads they do not know; a comm opened from here would
+        # make every frontend without the extension (nbclient, nbval, nbconvert) log
+        # "No handler found for comm target".
+        payloads = getattr(shell, "payload_manager", None)
+        if payloads is not None:
+            payloads.write_payload({"source": COMM_TARGET, "comm_target": COMM_TARGET})
         return True
-
-    def _answered(self, comm: Any, msg: dict) -> None:
-        """A sidebar adopted the greeting comm: it gets states from now on."""
-        if comm is self.greeting:
-            self.greeting = None
-            self._attach(comm)
-        self._on_msg(comm, msg)
 
     def _on_open(self, comm: Any, open_msg: dict) -> None:
         self._attach(comm)

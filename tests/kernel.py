@@ -17,6 +17,7 @@ class CellResult:
     result: str | None = None  # text/plain of the execute_result
     displays: list = field(default_factory=list)
     comms: list = field(default_factory=list)  # comm_open / comm_msg / comm_close contents, in order
+    payload: list = field(default_factory=list)  # the execute reply's payloads
 
     @property
     def ok(self) -> bool:
@@ -55,7 +56,21 @@ class Kernel:
         `on_comm(msg_type, content)` for each comm message. `history`: the cell counts as
         a notebook cell (In [n], what %scale export reads); else it leaves no trace there."""
         msg_id = self.client.execute(code, store_history=history)
-        return self._collect(msg_id, code, timeout, on_stream, on_comm)
+        out = self._collect(msg_id, code, timeout, on_stream, on_comm)
+        out.payload = self._reply(msg_id, timeout=30)["content"].get("payload", [])
+        return out
+
+    def _reply(self, msg_id: str, timeout: float) -> dict:
+        """The shell channel's reply to `msg_id` (earlier replies nobody read are skipped)."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = self.client.get_shell_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+        raise TimeoutError(f"no reply to {msg_id} within {timeout} s")
 
     def comm_open(self, target: str, data: dict | None = None, timeout: float = 60) -> tuple[str, CellResult]:
         """Open a comm to `target` as a frontend does; the comm id and what the kernel answered."""

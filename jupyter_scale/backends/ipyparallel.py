@@ -256,6 +256,25 @@ def _engine_launchers(cluster: ipp.Cluster | None) -> dict:
     return found
 
 
+@contextlib.contextmanager
+def _unsigned_is_expected():
+    """Connecting to a cluster of ours, whose sockets CurveZMQ authenticates: ipyparallel
+    then leaves the messages unsigned (a digest would be redundant), and jupyter_client
+    warns "Message signing is disabled. This is insecure" in the kernel's log, which is not
+    true of this connection. That warning alone is dropped, while connecting."""
+    from traitlets.log import get_logger
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Message signing is disabled")
+
+    logger = get_logger()
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def _keep_private(cluster: ipp.Cluster) -> None:
     """The profile's log directory and the cluster's files in it, owner-only.
 
@@ -581,7 +600,8 @@ class IPyParallelBackend(Backend):
         try:
             # Not start_and_connect: it waits for the engines start_timeout s, a pending Slurm job too.
             cluster.start_cluster_sync(n)
-            client = cluster.connect_client_sync()
+            with _unsigned_is_expected():
+                client = cluster.connect_client_sync()
 
             def ready(seconds: float) -> bool:
                 try:

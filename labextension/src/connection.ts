@@ -3,8 +3,10 @@
  * `jupyter_scale`, which `%load_ext jupyter_scale` registers in the kernel.
  *
  * The sidebar opens the comm when it attaches to a kernel (so it re-attaches after a
- * page reload or when the notebook is reopened); the kernel opens one when the extension
- * is loaded, for a sidebar that was already showing. Both deliver the same messages.
+ * page reload or when the notebook is reopened), and again when the reply to a cell
+ * carries the payload `%load_ext jupyter_scale` writes (the extension was loaded while
+ * the sidebar was showing). The kernel never opens one itself: frontends without this
+ * extension would log "No handler found for comm target".
  */
 import { ISessionContext } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
@@ -69,6 +71,15 @@ export interface IScaleState {
 
 /** Where the sidebar stands with the current notebook. */
 export type Link = 'no-notebook' | 'no-kernel' | 'not-loaded' | 'attached';
+
+/** Whether `msg` is the reply to a cell that ran `%load_ext jupyter_scale`. */
+function loadedBy(msg: KernelMessage.IMessage): boolean {
+  if (msg.header.msg_type !== 'execute_reply') {
+    return false;
+  }
+  const payload = (msg.content as { payload?: { source?: string }[] }).payload ?? [];
+  return payload.some(item => item.source === COMM_TARGET);
+}
 
 export class ScaleConnection {
   constructor(private readonly _tracker: INotebookTracker) {
@@ -135,22 +146,31 @@ export class ScaleConnection {
     }
     if (!this._registered.has(kernel)) {
       this._registered.add(kernel);
-      kernel.registerCommTarget(COMM_TARGET, (comm, msg) => {
-        if (this._panel?.sessionContext.session?.kernel === kernel) {
-          this._adopt(comm, msg.content.data);
+      kernel.anyMessage.connect((_, args) => {
+        if (
+          args.direction === 'recv' &&
+          loadedBy(args.msg) &&
+          this._panel?.sessionContext.session?.kernel === kernel &&
+          this._link !== 'attached'
+        ) {
+          this._open(kernel);
         }
       });
     }
     this._link = 'not-loaded';
     this._changed.emit();
     // Attach to a kernel that already loaded jupyter_scale; if it has not, the kernel closes
-    // the comm, and opens one itself when %load_ext runs.
+    // the comm, and the reply to the %load_ext cell says when to open it again.
+    this._open(kernel);
+  }
+
+  private _open(kernel: Kernel.IKernelConnection): void {
     const comm = kernel.createComm(COMM_TARGET);
-    this._adopt(comm, null);
+    this._adopt(comm);
     comm.open({}).done.catch(() => undefined);
   }
 
-  private _adopt(comm: Kernel.IComm, data: unknown): void {
+  private _adopt(comm: Kernel.IComm): void {
     if (this._comm && this._comm !== comm && !this._comm.isDisposed) {
       this._comm.close();
     }
@@ -164,11 +184,6 @@ export class ScaleConnection {
         this._changed.emit();
       }
     };
-    if (data) {
-      this._receive(comm, data);
-      // The kernel's greeting: answer, so that it sends this comm its states from now on.
-      comm.send({ action: 'refresh' });
-    }
   }
 
   private _receive(comm: Kernel.IComm, data: any): void {
