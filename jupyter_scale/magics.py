@@ -153,6 +153,11 @@ class ScaleMagics(Magics):
               help="whose process group the cell uses: torch (automatic mode), or tensorflow, paddle or horovod, set "
                    "up as their launchers do (TF_CONFIG, PADDLE_*, horovodrun's gloo rendezvous); default: the one "
                    "the cell uses")
+    @argument("--log-to", action="append", default=None, metavar="TARGET",
+              help="also write every report() point to tensorboard[:DIR] (default DIR: runs) or "
+                   "mlflow[:TRACKING_URI], from the kernel; repeat for both (default: c.ScaleSession.log_to)")
+    @argument("--log-as", choices=["ranks", "mean"], default=None,
+              help="what --log-to writes: each rank's points (ranks, the default) or their mean at each step")
     @argument("--export", default=None, metavar="DIR",
               help="do not run the cell: write it, with the notebook code and values it needs, as a job "
                    "directory (train.py for torchrun, job.sbatch, Kubeflow and KubeRay manifests); see %%scale export")
@@ -221,7 +226,7 @@ class ScaleMagics(Magics):
         self.session.run(cell, workers=args.workers, pull=args.pull, timeout=args.timeout, manual=args.manual,
                          steps=args.steps, launcher=launcher, launcher_options=options,
                          shard=(shard or True) if args.shard else False, keep_sharded=args.keep_sharded,
-                         framework=args.framework)
+                         framework=args.framework, log_to=args.log_to, log_as=args.log_as)
 
     def _check_launch(self, launcher: str | None, options: dict) -> None:
         """Launcher options describe a new cluster: with one running, they must be its own."""

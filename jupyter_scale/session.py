@@ -18,10 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from traitlets import Bool, Float, Integer, Unicode, default
+from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from . import export, forkserver, frameworks, jobfiles, launchers, metrics, pullback, rendezvous, sharedmem, shipping, worker
+from . import (
+    export,
+    forkserver,
+    frameworks,
+    jobfiles,
+    launchers,
+    metrics,
+    pullback,
+    rendezvous,
+    sharedmem,
+    shipping,
+    sinks,
+    worker,
+)
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
 from .display import RunView
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
@@ -77,6 +90,13 @@ class ScaleSession(LoggingConfigurable):
                                         "call backward() alike, and what the cell does to the gradients after "
                                         "backward() acts on averaged ones. Faster where communication matters (a "
                                         "model of tens of MB or more). False averages them at each step.")
+    log_to = List(Unicode(), config=True,
+                  help="Where every %%distribute cell's report() points also go, as --log-to: "
+                       "'tensorboard[:DIR]' (default DIR: runs), 'mlflow[:TRACKING_URI]'. A cell's own "
+                       "--log-to replaces these.")
+    log_as = Unicode("ranks", config=True,
+                     help="What --log-to writes: 'ranks' (each rank's points) or 'mean' (the mean over the "
+                          "ranks at each step)")
     shared_memory_enabled = Bool(True, config=True,
                                  help="When every worker runs on this machine and reads the kernel's shared "
                                       "memory (the embedded cluster), send values' pieces of 1 MB or more through "
@@ -572,7 +592,8 @@ class ScaleSession(LoggingConfigurable):
     def run(self, code: str, *, workers: int | None = None, pull: Iterable[str] = (),
             timeout: float | None = None, manual: bool = False, steps: int | None = None,
             launcher: str | None = None, launcher_options: dict | None = None, shard: bool | dict = False,
-            keep_sharded: bool = False, framework: str | None = None) -> RunRecord:
+            keep_sharded: bool = False, framework: str | None = None, log_to: Sequence[str] | None = None,
+            log_as: str | None = None) -> RunRecord:
         """Run `code` on every worker, as %%distribute does. Raises RemoteError on failure.
 
         Automatic mode (the default) seeds every rank alike, shards the cell's DataLoaders
@@ -586,6 +607,8 @@ class ScaleSession(LoggingConfigurable):
         `framework`: whose process group the cell uses, torch (the default), tensorflow,
         paddle; by default the one the cell uses (see frameworks.choose). Another than
         torch's turns automatic mode off: the cell uses that framework's own API.
+        `log_to`, `log_as`: where report()'s points also go (see sinks; default: the
+        session's `log_to` and `log_as`).
         """
         if shard and manual:
             raise ValueError("shard is automatic mode's; with manual, call jupyter_scale.shard_model in the cell")
@@ -622,9 +645,13 @@ class ScaleSession(LoggingConfigurable):
                 print(f"jupyter_scale: {why}; restarting the workers (their variables are lost)", file=sys.stderr,
                       flush=True)
                 self.restart(workers)
+        started = time.time()
+        # Opened before a worker starts: a target that cannot work fails the cell first.
+        run_sinks = self._sinks(self.log_to if log_to is None else list(log_to), log_as or self.log_as,
+                                number, started, code)
         self.ensure(workers, launcher, launcher_options)
         record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=_draw_seed(),
-                           framework=framework)
+                           framework=framework, started=started)
         self.runs.append(record)
         shipment = self.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
@@ -666,6 +693,9 @@ class ScaleSession(LoggingConfigurable):
         if framework != "torch":
             self._framework_groups.add(framework)
         view = RunView(self, record, steps)
+        self.observers = [o for o in self.observers if not isinstance(o, sinks.RunSinks)]  # an earlier run's
+        if run_sinks is not None:
+            self.observers.append(run_sinks)
         self._notify("run_started", record, steps)
         with interrupts_noted() as interrupts:
             frames, request["shared_frames"] = self._pack_frames(shipment)
@@ -920,6 +950,22 @@ class ScaleSession(LoggingConfigurable):
         """Show the run's end in the cell and tell the observers (the sidebar)."""
         view.finish(record)
         self._notify("run_finished", record)
+        self.observers = [o for o in self.observers if not isinstance(o, sinks.RunSinks)]
+
+    def _sinks(self, targets: list[str], mode: str, cell: int | None, started: float,
+               code: str) -> sinks.RunSinks | None:
+        if not targets:
+            return None
+        notebook = os.environ.get("JPY_SESSION_NAME") or str(self.namespace.get("__session__") or "") or None
+        name = sinks.run_name(notebook, cell, len(self.runs) + 1, started)
+        details = {"notebook": Path(notebook).stem if notebook else "notebook", "engine": self.backend_name,
+                   "cell": str(cell) if cell is not None else "", "code": code}
+        try:
+            return sinks.RunSinks(targets, mode, name, details)
+        except sinks.SinkError as exc:
+            raise DistributeError(str(exc)) from None
+        except Exception as exc:  # the tracking store itself: a bad URI, a server that does not answer
+            raise DistributeError(f"--log-to: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
 
     def _event_stream(self) -> metrics.EventQueue:
         if self.events is None:

@@ -30,8 +30,10 @@ class Recorder(ScaleSession):
     """A session that records calls instead of starting clusters, and checks their arguments."""
 
     def run(self, code, *, workers=None, pull=(), timeout=None, manual=False, steps=None, launcher=None,
-            launcher_options=None, shard=False, keep_sharded=False, framework=None):
+            launcher_options=None, shard=False, keep_sharded=False, framework=None, log_to=None, log_as=None):
         assert not (shard and manual)
+        assert log_to is None or (isinstance(log_to, list) and all(isinstance(t, str) for t in log_to))
+        assert log_as in (None, "ranks", "mean")
         assert framework in (None, "torch", "tensorflow", "paddle", "horovod")
         assert shard is False or shard is True or set(shard) <= {"mixed_precision", "offload"}
         assert isinstance(keep_sharded, bool)

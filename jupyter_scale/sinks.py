@@ -1,0 +1,231 @@
+"""Where report()'s points go besides the notebook: TensorBoard and MLflow (`--log-to`).
+
+The kernel writes them from the event stream it already receives (the workers write
+nothing, need no tracking credentials, and a lost worker loses no written point): each
+rank's points as they arrive, or with `--log-as mean` the mean over the ranks at each
+step. A run is named after the notebook and the cell (`train-cell12-20261206-101500`).
+
+    %%distribute --log-to tensorboard:runs            # runs/<run>/rank0, rank1, ... (or mean)
+    %%distribute --log-to mlflow                      # MLFLOW_TRACKING_URI, or MLflow's default
+    %%distribute --log-to mlflow:sqlite:///mlflow.db --log-as mean
+
+TensorBoard's writer comes with torch but needs the `tensorboard` package; MLflow's client is
+`mlflow-skinny` (or `mlflow`): the extras `jupyter_scale[tensorboard]` and `[mlflow]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("tensorboard", "mlflow")
+MODES = ("ranks", "mean")
+MLFLOW_FLUSH_S = 1.0  # an MLflow store write costs milliseconds: points go in batches
+MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch
+_NOT_SCALARS = frozenset(("rank", "step", "epoch", "time", "kind"))
+
+
+class SinkError(ValueError):
+    """A --log-to target that cannot be used; the message is one line for the user."""
+
+
+def check(specs: list[str], mode: str) -> None:
+    """Refuse what cannot work before the cell runs (names, packages)."""
+    if mode not in MODES:
+        raise SinkError(f"--log-as {mode!r}: choose {' or '.join(MODES)}")
+    for spec in specs:
+        _target(spec)
+
+
+def _target(spec: str) -> tuple[str, str]:
+    name, _, where = spec.partition(":")
+    if name not in TARGETS:
+        raise SinkError(f"--log-to {spec!r}: the targets are tensorboard[:DIR] and mlflow[:TRACKING_URI]")
+    try:
+        if name == "tensorboard":
+            import tensorboard  # noqa: F401  (torch's SummaryWriter imports it)
+        else:
+            import mlflow  # noqa: F401
+    except ImportError:
+        package = "tensorboard" if name == "tensorboard" else "mlflow-skinny"
+        raise SinkError(f"--log-to {name} needs the {package} package: pip install 'jupyter_scale[{name}]'") from None
+    return name, where
+
+
+def run_name(notebook: str | None, cell: int | None, index: int, started: float) -> str:
+    """`<notebook>-cell<In [n]>-<when>`: what a team finds the run by."""
+    stem = Path(notebook).stem if notebook else "notebook"
+    which = f"cell{cell}" if cell is not None else f"run{index}"
+    return f"{stem}-{which}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}"
+
+
+class RunSinks:
+    """One run's sinks: a session observer from run_started to run_finished."""
+
+    def __init__(self, specs: list[str], mode: str, name: str, details: dict[str, str]):
+        check(specs, mode)
+        self.mode, self.name, self.details = mode, name, details
+        self.sinks: list[Any] = []
+        for spec in specs:
+            target, where = _target(spec)
+            self.sinks.append(_TensorBoard(where or "runs", name) if target == "tensorboard"
+                              else _MLflow(where or None, name, details))
+        self.workers = 0
+        self._means: dict[tuple[int, str], list[float]] = {}  # (step, name) -> values so far
+        self._failed: set[int] = set()
+
+    def run_started(self, record: Any, total_steps: int | None) -> None:
+        self.workers = record.workers
+        for i, sink in enumerate(self.sinks):
+            self._guard(i, sink.start, record)
+
+    def event(self, event: dict) -> None:
+        if event.get("kind") is not None:
+            return
+        step, rank, wall = event["step"], event["rank"], event["time"]
+        scalars = [(k, float(v)) for k, v in event.items() if k not in _NOT_SCALARS]
+        if self.mode == "ranks":
+            self._write(f"rank{rank}", scalars, step, wall)
+            return
+        done = []
+        for key, value in scalars:
+            values = self._means.setdefault((step, key), [])
+            values.append(value)
+            if len(values) == self.workers:
+                done.append((key, math.fsum(values) / len(values)))
+                del self._means[(step, key)]
+        self._write("mean", done, step, wall)
+
+    def tick(self) -> None:
+        for i, sink in enumerate(self.sinks):
+            self._guard(i, sink.flush, False)
+
+    def run_finished(self, record: Any) -> None:
+        # Steps not every rank reached (a failed or interrupted run): the mean of those that did.
+        for (step, key), values in sorted(self._means.items()):
+            self._write("mean", [(key, math.fsum(values) / len(values))], step, time.time())
+        self._means.clear()
+        for i, sink in enumerate(self.sinks):
+            self._guard(i, sink.finish, record.status)
+
+    def _write(self, series: str, scalars: list[tuple[str, float]], step: int, wall: float) -> None:
+        if scalars:
+            for i, sink in enumerate(self.sinks):
+                self._guard(i, sink.write, series, scalars, step, wall)
+
+    def _guard(self, i: int, method: Any, *args: Any) -> None:
+        """A sink that fails (a full disk, a tracking server gone) says so once and stops;
+        the run and the other sinks go on."""
+        if i in self._failed:
+            return
+        try:
+            method(*args)
+        except Exception as exc:
+            self._failed.add(i)
+            log.warning("jupyter_scale: --log-to %s stopped writing: %s: %s", self.sinks[i].label,
+                        type(exc).__name__, exc)
+
+
+class _TensorBoard:
+    """An event file per series (DIR/<run>/rank0, ..., or DIR/<run>/mean), as TensorBoard
+    shows runs side by side; a scalar's tag is its name in report()."""
+
+    def __init__(self, directory: str, name: str):
+        self.root = Path(directory).expanduser() / name
+        self.label = f"tensorboard:{directory}"
+        self._writers: dict[str, Any] = {}
+
+    def start(self, record: Any) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, series: str, scalars: list[tuple[str, float]], step: int, wall: float) -> None:
+        writer = self._writers.get(series)
+        if writer is None:
+            _tensorboard_without_tensorflow()
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = self._writers[series] = SummaryWriter(log_dir=str(self.root / series))
+        for key, value in scalars:
+            writer.add_scalar(key, value, global_step=step, walltime=wall)
+
+    def flush(self, final: bool) -> None:
+        pass  # the writers flush on their own (every 2 minutes) and at finish
+
+    def finish(self, status: str) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+def _tensorboard_without_tensorflow() -> None:
+    """TensorBoard's writer uses TensorFlow where it can import it: seconds in the kernel and
+    TensorFlow's log lines in the cell, for files its own stub writes alike (local paths; S3
+    through boto3). A module named tensorboard.compat.notf is TensorBoard's switch for the stub."""
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+
+
+class _MLflow:
+    """One MLflow run per cell, in the notebook's experiment; a rank's scalar is NAME/rankR,
+    the mean is NAME. Tags say the notebook, the cell, the engine and the worker count."""
+
+    STATUS = {"finished": "FINISHED", "interrupted": "KILLED"}
+
+    def __init__(self, uri: str | None, name: str, details: dict[str, str]):
+        from mlflow.tracking import MlflowClient
+
+        self.label = f"mlflow:{uri}" if uri else "mlflow"
+        # Creating a database store logs its migrations at INFO: not the user's business.
+        quiet = logging.getLogger("mlflow.store.db.utils")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or details["notebook"]
+            experiment = self.client.get_experiment_by_name(experiment_name)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(experiment_name))
+        finally:
+            quiet.setLevel(level)
+        self.experiment_id, self.name, self.details = experiment_id, name, details
+        self.run_id: str | None = None
+        self._pending: list[Any] = []
+        self._flushed_at = time.monotonic()
+
+    def start(self, record: Any) -> None:
+        tags = {f"jupyter_scale.{k}": v for k, v in self.details.items()}
+        if self.details.get("code"):
+            tags["mlflow.note.content"] = f"```python\n{self.details['code']}\n```"
+            tags.pop("jupyter_scale.code")
+        tags["mlflow.source.name"] = self.details["notebook"]
+        tags["jupyter_scale.workers"] = str(record.workers)
+        self.run_id = self.client.create_run(self.experiment_id, run_name=self.name, tags=tags).info.run_id
+
+    def write(self, series: str, scalars: list[tuple[str, float]], step: int, wall: float) -> None:
+        from mlflow.entities import Metric
+
+        suffix = "" if series == "mean" else f"/{series}"
+        stamp = int(wall * 1000)
+        self._pending.extend(Metric(f"{key}{suffix}", value, stamp, step) for key, value in scalars)
+
+    def flush(self, final: bool) -> None:
+        if not final and time.monotonic() - self._flushed_at < MLFLOW_FLUSH_S:
+            return
+        self._flushed_at = time.monotonic()
+        while self._pending and self.run_id is not None:
+            batch, self._pending = self._pending[:MLFLOW_BATCH], self._pending[MLFLOW_BATCH:]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def finish(self, status: str) -> None:
+        if self.run_id is None:
+            return
+        self.flush(True)
+        self.client.set_terminated(self.run_id, status=self.STATUS.get(status, "FAILED"))
