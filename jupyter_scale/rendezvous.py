@@ -22,18 +22,15 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-# Imported before any group forms: its functions take `group=group.WORLD` as a default,
-# evaluated at import. Imported after init_process_group (torch._dynamo imports it, and the
-# first optimizer imports torch._dynamo), those defaults would hold the group forever:
-# destroy_process_group could not end gloo's threads, a re-formed group's calls there would
-# go to the dead one, and a torchrun process could abort at exit ("terminate called without
-# an active exception") when one of those threads frees a tensor as Python finalizes.
-import torch.distributed.nn.functional  # noqa: F401  (for its import-time defaults)
+# Imported before any group forms, for its import-time defaults: see forget_group_in_defaults
+# (the first optimizer imports torch._dynamo, which imports this module).
+import torch.distributed.nn.functional  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -511,4 +508,32 @@ def _shutdown_if_ours(fd: int, group_sockets: set[int]) -> None:
 
 def destroy_group() -> None:
     if dist.is_available() and dist.is_initialized():
+        forget_group_in_defaults()
         dist.destroy_process_group()
+
+
+def forget_group_in_defaults() -> None:
+    """Before the group is destroyed: torch functions whose default argument is `group.WORLD`,
+    evaluated when their module was imported (torch.distributed.nn.functional, FSDP's
+    ShardedGradScaler, ZeroRedundancyOptimizer's helpers), hold the group that was the world
+    then, if it was imported after the group formed. Destroyed, that group would live on, and
+    gloo's threads with it: a process could abort at exit ("terminate called without an
+    active exception") when one of them frees a tensor as Python finalizes, and a re-formed
+    group's calls there would go to the dead one. Those defaults become None (the group of
+    the moment, at each call), as if the module had been imported first."""
+    group = dist.group.WORLD
+    if group is None:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                functions = [f for f in vars(value).values() if isinstance(f, types.FunctionType)]
+            else:
+                functions = [value] if isinstance(value, types.FunctionType) else []
+            for function in functions:
+                if function.__defaults__ and any(d is group for d in function.__defaults__):
+                    function.__defaults__ = tuple(None if d is group else d for d in function.__defaults__)
+                if function.__kwdefaults__ and any(d is group for d in function.__kwdefaults__.values()):
+                    function.__kwdefaults__ = {k: None if d is group else d for k, d in function.__kwdefaults__.items()}

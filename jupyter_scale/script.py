@@ -139,7 +139,7 @@ class Job:
                   (f"; saved {saved}" if saved else ""), flush=True)
         if dist.is_initialized():
             dist.barrier()  # no rank leaves while rank 0 writes: torchrun ends the job when one fails
-            dist.destroy_process_group()
+            rendezvous.destroy_group()
 
 
 def start(seed: int = 0, automatic: bool = True, output: str | os.PathLike | None = None) -> Job:

@@ -693,34 +693,38 @@ class ScaleSession(LoggingConfigurable):
         if framework != "torch":
             self._framework_groups.add(framework)
         view = RunView(self, record, steps)
-        self.observers = [o for o in self.observers if not isinstance(o, sinks.RunSinks)]  # an earlier run's
         if run_sinks is not None:
             self.observers.append(run_sinks)
         self._notify("run_started", record, steps)
-        with interrupts_noted() as interrupts:
-            frames, request["shared_frames"] = self._pack_frames(shipment)
-            job = self.backend.submit(worker.run_cell, request, *frames)
-            self._cell = cell = CellRun(self, job, record, view, timeout, interrupts)
-            answered = False
-            try:
-                headers, frames_back, error, lost = cell.wait()
-                answered = True
-            except BaseException as exc:
-                # Whatever ended the wait early (an engine's error, a bug): no rank may run
-                # on unseen, reading frames the next cell writes.
-                answered = self._stop_abandoned(job)
-                record.status, record.error = "failed", str(exc)
-                self.shipper.discard()
-                self._finish_run(view, record)
-                raise
-            finally:
-                job.release()
-                cell.forget_answers()  # the session keeps the run's heartbeats, not what it sent back
-                self._done_with_frames(answered)
-            # Pull-back and buffer sync are not cut half-way by an interrupt either.
-            rank0 = headers[0].get("shared_frames") if 0 in headers else None
-            with sharedmem.unpacked(frames_back.get(0, ()), rank0) as frames_back[0]:
-                self._end_run(cell, headers, frames_back, error, lost, shipment, plan, manual)
+        try:
+            with interrupts_noted() as interrupts:
+                frames, request["shared_frames"] = self._pack_frames(shipment)
+                job = self.backend.submit(worker.run_cell, request, *frames)
+                self._cell = cell = CellRun(self, job, record, view, timeout, interrupts)
+                answered = False
+                try:
+                    headers, frames_back, error, lost = cell.wait()
+                    answered = True
+                except BaseException as exc:
+                    # Whatever ended the wait early (an engine's error, a bug): no rank may run
+                    # on unseen, reading frames the next cell writes.
+                    answered = self._stop_abandoned(job)
+                    record.status, record.error = "failed", str(exc)
+                    self.shipper.discard()
+                    self._finish_run(view, record)
+                    raise
+                finally:
+                    job.release()
+                    cell.forget_answers()  # the session keeps the run's heartbeats, not what it sent back
+                    self._done_with_frames(answered)
+                # Pull-back and buffer sync are not cut half-way by an interrupt either.
+                rank0 = headers[0].get("shared_frames") if 0 in headers else None
+                with sharedmem.unpacked(frames_back.get(0, ()), rank0) as frames_back[0]:
+                    self._end_run(cell, headers, frames_back, error, lost, shipment, plan, manual)
+        finally:
+            if run_sinks is not None:  # closed by run_finished, or here where the run broke before it
+                run_sinks.close(record.status if record.status != "running" else "failed")
+                self.observers.remove(run_sinks)
         if interrupts.count > interrupts.handled:
             raise KeyboardInterrupt("interrupted as the cell ended: it had finished on every rank, "
                                     "and the notebook holds its results")
@@ -950,7 +954,6 @@ class ScaleSession(LoggingConfigurable):
         """Show the run's end in the cell and tell the observers (the sidebar)."""
         view.finish(record)
         self._notify("run_finished", record)
-        self.observers = [o for o in self.observers if not isinstance(o, sinks.RunSinks)]
 
     def _sinks(self, targets: list[str], mode: str, cell: int | None, started: float,
                code: str) -> sinks.RunSinks | None:

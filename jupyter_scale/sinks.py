@@ -21,6 +21,8 @@ import os
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,9 @@ def _target(spec: str) -> tuple[str, str]:
     except ImportError:
         package = "tensorboard" if name == "tensorboard" else "mlflow-skinny"
         raise SinkError(f"--log-to {name} needs the {package} package: pip install 'jupyter_scale[{name}]'") from None
+    if name == "tensorboard" and "://" in where:
+        raise SinkError(f"--log-to {spec!r}: DIR is a local directory (TensorBoard's writer is used without TensorFlow, "
+                        "whose file systems reach URLs)")
     return name, where
 
 
@@ -79,8 +84,12 @@ class RunSinks:
             self.sinks.append(_TensorBoard(where or "runs", name) if target == "tensorboard"
                               else _MLflow(where or None, name, details))
         self.workers = 0
-        self._means: dict[tuple[int, str], list[float]] = {}  # (step, name) -> values so far
+        # --log-as mean: (step, name) -> rank -> [sum, count, latest time], written once every
+        # rank has reported a later step (a rank may report one step many times: step=epoch).
+        self._pending: dict[tuple[int, str], dict[int, list[float]]] = {}
+        self._reached: dict[int, int] = {}  # rank -> the highest step it reported
         self._failed: set[int] = set()
+        self.finished = False
 
     def run_started(self, record: Any, total_steps: int | None) -> None:
         self.workers = record.workers
@@ -88,33 +97,52 @@ class RunSinks:
             self._guard(i, sink.start, record)
 
     def event(self, event: dict) -> None:
-        if event.get("kind") is not None:
+        if event.get("kind") is not None or self.finished:
             return
         step, rank, wall = event["step"], event["rank"], event["time"]
         scalars = [(k, float(v)) for k, v in event.items() if k not in _NOT_SCALARS]
         if self.mode == "ranks":
             self._write(f"rank{rank}", scalars, step, wall)
             return
-        done = []
         for key, value in scalars:
-            values = self._means.setdefault((step, key), [])
-            values.append(value)
-            if len(values) == self.workers:
-                done.append((key, math.fsum(values) / len(values)))
-                del self._means[(step, key)]
-        self._write("mean", done, step, wall)
+            total = self._pending.setdefault((step, key), {}).setdefault(rank, [0.0, 0, wall])
+            total[0] += value
+            total[1] += 1
+            total[2] = max(total[2], wall)
+        self._reached[rank] = max(self._reached.get(rank, step), step)
+        if len(self._reached) == self.workers:
+            self._write_means(below=min(self._reached.values()))
+
+    def _write_means(self, below: float) -> None:
+        """The mean over the ranks (each rank's own mean where it reported a step more than
+        once) of every pending step below `below`."""
+        by_step: dict[int, list[tuple[str, float]]] = {}
+        walls: dict[int, float] = {}
+        for step, key in sorted(k for k in self._pending if k[0] < below):
+            per_rank = self._pending.pop((step, key))
+            means = [total / count for total, count, _ in per_rank.values()]
+            by_step.setdefault(step, []).append((key, math.fsum(means) / len(means)))
+            walls[step] = max([walls.get(step, 0.0)] + [t for _, _, t in per_rank.values()])
+        for step, scalars in by_step.items():
+            self._write("mean", scalars, step, walls[step])
 
     def tick(self) -> None:
         for i, sink in enumerate(self.sinks):
             self._guard(i, sink.flush, False)
 
     def run_finished(self, record: Any) -> None:
-        # Steps not every rank reached (a failed or interrupted run): the mean of those that did.
-        for (step, key), values in sorted(self._means.items()):
-            self._write("mean", [(key, math.fsum(values) / len(values))], step, time.time())
-        self._means.clear()
+        self.close(record.status)
+
+    def close(self, status: str) -> None:
+        """The run ended (`status`: finished, failed, interrupted, ...): what is pending is
+        written (the last steps; with ranks lost, the mean of those that reported), and
+        each sink closed. Called again, it does nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        self._write_means(below=math.inf)
         for i, sink in enumerate(self.sinks):
-            self._guard(i, sink.finish, record.status)
+            self._guard(i, sink.finish, status)
 
     def _write(self, series: str, scalars: list[tuple[str, float]], step: int, wall: float) -> None:
         if scalars:
@@ -168,16 +196,23 @@ class _TensorBoard:
 def _tensorboard_without_tensorflow() -> None:
     """TensorBoard's writer uses TensorFlow where it can import it: seconds in the kernel and
     TensorFlow's log lines in the cell, for files its own stub writes alike (local paths; S3
-    through boto3). A module named tensorboard.compat.notf is TensorBoard's switch for the stub."""
+    directories). A module named tensorboard.compat.notf is TensorBoard's switch for the stub; it
+    stays for the kernel's life, so TensorBoard's own TensorFlow-backed APIs there see the stub."""
     if "tensorflow" not in sys.modules:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
 
 
 class _MLflow:
     """One MLflow run per cell, in the notebook's experiment; a rank's scalar is NAME/rankR,
-    the mean is NAME. Tags say the notebook, the cell, the engine and the worker count."""
+    the mean is NAME. Tags say the notebook, the cell, the engine and the worker count.
+
+    The store is opened before the cell runs (a bad URI fails it first); the run's writes go
+    through one thread of their own, in order: a slow tracking server (MLflow retries a
+    failed request for minutes) must not hold up the cell's wait loop, its interrupts and
+    timeouts. At the end the run waits FINISH_S for them, then leaves them to finish."""
 
     STATUS = {"finished": "FINISHED", "interrupted": "KILLED"}
+    FINISH_S = 30.0
 
     def __init__(self, uri: str | None, name: str, details: dict[str, str]):
         from mlflow.tracking import MlflowClient
@@ -199,15 +234,33 @@ class _MLflow:
         self.run_id: str | None = None
         self._pending: list[Any] = []
         self._flushed_at = time.monotonic()
+        self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jupyter_scale-mlflow")
+        self._failure: BaseException | None = None
+
+    def _in_order(self, call: Any, *args: Any, **kwargs: Any) -> None:
+        """`call` on the writing thread, after what was queued before; a failure there is
+        raised at the next write (through RunSinks._guard: said once, then the sink stops)."""
+        if self._failure is not None:
+            raise self._failure
+
+        def run() -> None:
+            if self._failure is None:
+                try:
+                    call(*args, **kwargs)
+                except BaseException as exc:
+                    self._failure = exc
+        self._writes.submit(run)
 
     def start(self, record: Any) -> None:
-        tags = {f"jupyter_scale.{k}": v for k, v in self.details.items()}
+        tags = {f"jupyter_scale.{k}": v for k, v in self.details.items() if k != "code"}
         if self.details.get("code"):
             tags["mlflow.note.content"] = f"```python\n{self.details['code']}\n```"
-            tags.pop("jupyter_scale.code")
         tags["mlflow.source.name"] = self.details["notebook"]
         tags["jupyter_scale.workers"] = str(record.workers)
-        self.run_id = self.client.create_run(self.experiment_id, run_name=self.name, tags=tags).info.run_id
+
+        def create() -> None:
+            self.run_id = self.client.create_run(self.experiment_id, run_name=self.name, tags=tags).info.run_id
+        self._in_order(create)
 
     def write(self, series: str, scalars: list[tuple[str, float]], step: int, wall: float) -> None:
         from mlflow.entities import Metric
@@ -220,12 +273,23 @@ class _MLflow:
         if not final and time.monotonic() - self._flushed_at < MLFLOW_FLUSH_S:
             return
         self._flushed_at = time.monotonic()
-        while self._pending and self.run_id is not None:
+        while self._pending:
             batch, self._pending = self._pending[:MLFLOW_BATCH], self._pending[MLFLOW_BATCH:]
-            self.client.log_batch(self.run_id, metrics=batch)
+            self._in_order(lambda metrics: self.client.log_batch(self.run_id, metrics=metrics), batch)
 
     def finish(self, status: str) -> None:
-        if self.run_id is None:
-            return
         self.flush(True)
-        self.client.set_terminated(self.run_id, status=self.STATUS.get(status, "FAILED"))
+
+        def terminate() -> None:
+            if self.run_id is not None:
+                self.client.set_terminated(self.run_id, status=self.STATUS.get(status, "FAILED"))
+        self._in_order(terminate)
+        done = self._writes.submit(lambda: None)
+        self._writes.shutdown(wait=False)
+        try:
+            done.result(timeout=self.FINISH_S)
+        except FuturesTimeout:
+            raise TimeoutError(f"its writes were still going after {self.FINISH_S:.0f} s; "
+                               "they go on in the background") from None
+        if self._failure is not None:
+            raise self._failure

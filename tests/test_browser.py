@@ -30,7 +30,7 @@ NOTEBOOK = {
          "source": "%load_ext jupyter_scale"},
         {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
          "source": "%%distribute --workers 2 --steps 60\nimport time\nfor i in range(60):\n"
-                   "    report(loss=1.0 / (i + 1) + 0.1 * rank)\n    time.sleep(0.05)"},
+                   "    report(loss=1.0 / (i + 1) + 0.1 * rank, lr=0.1 * 0.9 ** i)\n    time.sleep(0.05)"},
     ],
     "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
     "nbformat": 4, "nbformat_minor": 5,
@@ -139,7 +139,37 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
         assert rows.count() == 2
         assert all("finished" in rows.nth(i).inner_text() for i in range(2))
         assert all(" MB" in rows.nth(i).inner_text() for i in range(2))  # memory column
+        # Axes with their labels and ticks, and a legend that says which line is which.
+        dashboard = page.locator(".jupyter-scale").first
+        assert chart.locator(".js-xlabel").text_content() == "step"
+        assert chart.locator(".js-ylabel").text_content() == "loss"
+        x_ticks = [int(t) for t in chart.locator(".js-xtick").all_text_contents()]
+        assert len(x_ticks) >= 3 and x_ticks == sorted(x_ticks) and 0 <= x_ticks[0] and x_ticks[-1] <= 59
+        assert len(chart.locator(".js-ytick").all_text_contents()) >= 3
+        keys = dashboard.locator(".js-legend .js-key")
+        assert keys.all_text_contents() == ["rank 0", "rank 1", "mean of the ranks"]
+        swatches = [keys.nth(i).locator("i").evaluate("e => getComputedStyle(e).borderTopColor") for i in range(2)]
+        assert swatches == [_rgb(c) for c in PALETTE[:2]]
         page.locator(".jupyter-scale").first.screenshot(path=str(SCREENSHOTS / "dashboard.png"))
+        # Every reported scalar can be charted, on a log scale, smoothed; hovering reads the values out.
+        dashboard.locator(".js-metric").select_option("lr")
+        assert chart.locator(".js-ylabel").text_content() == "lr"
+        dashboard.locator(".js-log").check()
+        assert chart.locator(".js-ylabel").text_content() == "lr (log)"
+        logs = [float(t) for t in chart.locator(".js-ytick").all_text_contents()]
+        assert len(logs) >= 2 and all(f"{v:e}"[0] in "125" for v in logs)  # 1, 2, 5 times powers of ten
+        dashboard.locator(".js-smooth").check()
+        assert chart.locator("polyline[data-raw]").count() == 3  # the raw curves stay, faint
+        box = chart.bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.5)
+        readout = dashboard.locator(".js-readout").inner_text()
+        assert readout.startswith("step ") and "rank 0" in readout and "rank 1" in readout and "mean" in readout
+        dashboard.screenshot(path=str(SCREENSHOTS / "dashboard-lr-log-smoothed.png"))
+
+
+def _rgb(hex_color: str) -> str:
+    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({r}, {g}, {b})"
 
 
 LONG_JOB = ("%%distribute\nimport time\nfor i in range(3000):\n"

@@ -26,11 +26,11 @@ def test_events_from_two_ranks_reach_the_widget_model_in_order():
     feed.push(widget)
     assert len(sent) == 1  # hold_sync: all traits in one message
     state = sent[0]["state"]
-    assert state["metric"] == "loss" and state["state"] == "running"
+    assert state["metric"] == "loss" and state["metrics"] == ["loss"] and state["state"] == "running"
     for r in ("0", "1"):
-        steps = [p[0] for p in state["series"][r]]
+        steps = [p[0] for p in state["series"]["loss"][r]]
         assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 199
-    assert state["series"]["mean"][0] == [0, 1.5]  # mean of rank 0's 1.0 and rank 1's 2.0
+    assert state["series"]["loss"]["mean"][0] == [0, 1.5]  # mean of rank 0's 1.0 and rank 1's 2.0
     assert [w["pid"] for w in state["workers"]] == [11, 12]
     assert state["workers"][1]["last_step"] == 199 and state["progress"]["total"] == 300
     assert state["progress"]["step"] == 200 and state["progress"]["epoch"] == 1
@@ -65,7 +65,7 @@ def test_long_runs_are_downsampled_for_the_chart_only():
         feed.add(e)
     curve = feed.series()["0"]
     assert len(curve) <= 400 and curve[0][0] == 0 and curve[-1][0] == 9999
-    assert len(feed.curves[0]) == 10_000
+    assert len(feed.curves["loss"][0]) == 10_000
 
 
 class _Session:
@@ -127,3 +127,16 @@ def test_the_loss_charts_draw_with_one_palette():
     feed.add({"rank": 1, "step": 0, "time": 0.0, "loss": 1.0})
     feed.add({"rank": 1, "step": 1, "time": 1.0, "loss": 0.5})
     assert f'stroke="{PALETTE[0]}"' in snapshot_html(feed)  # the first curve drawn
+
+
+def test_every_reported_scalar_is_sent_within_one_pushs_budget_of_points():
+    feed = DashboardFeed(world_size=8)
+    for i in range(2000):
+        for r in range(8):
+            feed.add({"rank": r, "step": i, "time": 100.0 + i, "loss": 1.0 + r, "acc": 0.5, "lr": 0.1 * (i + 1)})
+    series = feed.all_series()
+    assert list(series) == feed.metrics == ["loss", "acc", "lr"]
+    assert all(set(curves) == {*map(str, range(8)), "mean"} for curves in series.values())
+    points = sum(len(c) for curves in series.values() for c in curves.values())
+    assert points <= 3 * 9 * 100  # never fewer than 100 a curve, else within 2400 in all
+    assert series["loss"]["mean"][0] == [0, 4.5] and series["lr"]["3"][-1] == [1999, 200.0]

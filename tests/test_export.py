@@ -122,13 +122,18 @@ job = jupyter_scale.script.start(seed=0)
 rank, world_size, local_rank, device, report = job.cell()
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+import torch.distributed.fsdp.sharded_grad_scaler  # holds the group in a default argument too
 model(torch.randn(8, 4)).sum().backward()
 opt.step()
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return [n for n in names if n.startswith(("pt_gloo", "gloo_"))]
+print(f"rank {rank} gloo threads before:", len(gloo_threads()), flush=True)
 job.finish(model=model)
-names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print(f"rank {rank} gloo threads left:", [n for n in names if n.startswith(("pt_gloo", "gloo_"))], flush=True)
+print(f"rank {rank} gloo threads left:", gloo_threads(), flush=True)
 """)
     said = run_job(["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "train.py"], cwd=tmp_path)
+    assert "rank 0 gloo threads before: 0" not in said and "rank 0 gloo threads before:" in said, said
     assert "rank 0 gloo threads left: []" in said and "rank 1 gloo threads left: []" in said, said
 
 

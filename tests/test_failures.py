@@ -281,6 +281,7 @@ def test_interrupting_training_stops_every_rank_and_training_goes_on_from_equal_
               "data = TensorDataset(torch.randn(4096, 16), torch.randint(0, 4, (4096,)))")
     kernel.ok("%%distribute --manual\n" + GLOO_THREADS)
     threads_of_one_group = kernel.value("jupyter_scale.get_session().gather('gloo_threads')")
+    assert all(n > 0 for n in threads_of_one_group)  # what is counted exists (torch names these threads)
     timer = threading.Timer(2.0, kernel.manager.interrupt_kernel)  # mid-epoch, ranks inside steps
 
     def on_stream(name, text):

@@ -111,6 +111,7 @@ def test_a_failed_cell_keeps_its_points_and_marks_the_run_failed(kernel, tmp_pat
 
 def test_a_target_that_cannot_work_fails_the_cell_in_one_line_before_it_runs(kernel, tmp_path):
     kernel.ok("marker = 1")
+    runs = kernel.value("len(jupyter_scale.get_session().runs)")
     for flags, message in [("--log-to wandb", "--log-to 'wandb': the targets are tensorboard[:DIR] and mlflow"),
                            ("--log-to tensorboard --log-as median", "argument --log-as: invalid choice"),
                            (f"--log-to mlflow:{tmp_path}/nowhere/x.db", "--log-to: ")]:
@@ -119,6 +120,66 @@ def test_a_target_that_cannot_work_fails_the_cell_in_one_line_before_it_runs(ker
         assert message in said, (out.error_text, out.stderr)
         assert len(said.strip().splitlines()) == 1
     assert kernel.value("marker") == 1
-    ran = kernel.value("jupyter_scale.get_session().runs[-1].status")
-    assert ran == "failed"  # the failed cell of the test before: these ones never started
+    assert kernel.value("len(jupyter_scale.get_session().runs)") == runs  # none of them started
     assert "[rank 1] fine" in kernel.ok("%%distribute\nprint('fine')").stdout
+
+
+# RunSinks fed as the session feeds it (its run_started, event, tick, run_finished), with the
+# real TensorBoard writer: the cases a short real run does not show.
+class _Record:
+    def __init__(self, workers):
+        self.workers, self.status = workers, "running"
+
+
+def _fed(tmp_path, events, mode="mean", workers=2, status="finished", targets=None):
+    from jupyter_scale import sinks
+
+    run = sinks.RunSinks(targets or [f"tensorboard:{tmp_path}"], mode, "nb-cell1-x",
+                         {"notebook": "nb", "engine": "test", "cell": "1", "code": ""})
+    record = _Record(workers)
+    run.run_started(record, None)
+    for event in events:
+        run.event(event)
+        run.tick()
+    record.status = status
+    run.run_finished(record)
+    return run
+
+
+def test_a_rank_reporting_one_step_many_times_counts_once_in_the_mean(tmp_path):
+    # step=epoch, a report per batch: each rank's own mean first, then the mean over the ranks.
+    events = [{"rank": r, "step": epoch, "time": 100.0 + epoch, "loss": float(v)}
+              for epoch, values in enumerate([([1, 3], [10, 30]), ([2, 2], [20, 20])])
+              for r, rank_values in enumerate(values) for v in rank_values]
+    _fed(tmp_path, events)
+    written = tensorboard_scalars(tmp_path / "nb-cell1-x" / "mean")["loss"]
+    assert [(e.step, e.value) for e in written] == [(0, 11.0), (1, 11.0)]  # (2 + 20) / 2 and (2 + 20) / 2
+
+
+def test_a_scalar_only_some_ranks_report_and_a_lost_ranks_steps_are_written_at_the_end(tmp_path):
+    events = [{"rank": 0, "step": 0, "time": 1.0, "loss": 1.0, "grad_norm": 5.0},
+              {"rank": 1, "step": 0, "time": 1.0, "loss": 3.0},
+              {"rank": 0, "step": 1, "time": 2.0, "loss": 2.0},
+              {"rank": 1, "step": 1, "time": 2.0, "loss": 4.0},
+              {"rank": 0, "step": 2, "time": 3.0, "loss": 7.0}]  # rank 1 died before step 2
+    _fed(tmp_path, events, status="failed")
+    written = tensorboard_scalars(tmp_path / "nb-cell1-x" / "mean")
+    assert [(e.step, e.value) for e in written["loss"]] == [(0, 2.0), (1, 3.0), (2, 7.0)]
+    assert [(e.step, e.value) for e in written["grad_norm"]] == [(0, 5.0)]
+    assert [e.wall_time for e in written["loss"]] == [1.0, 2.0, 3.0]  # when reported, not when written
+
+
+def test_a_sink_that_fails_says_so_once_and_the_others_go_on(tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    events = [{"rank": r, "step": i, "time": 1.0 + i, "loss": float(i + r)} for i in range(3) for r in (0, 1)]
+    run = _fed(tmp_path, events, mode="ranks", targets=[f"tensorboard:{blocked}", f"mlflow:{uri}"])
+    said = [r.getMessage() for r in caplog.records if "stopped writing" in r.getMessage()]
+    assert len(said) == 1 and f"tensorboard:{blocked}" in said[0]
+    assert run.finished
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    [written] = client.search_runs([client.get_experiment_by_name("nb").experiment_id])
+    assert [m.value for m in client.get_metric_history(written.info.run_id, "loss/rank1")] == [1.0, 2.0, 3.0]

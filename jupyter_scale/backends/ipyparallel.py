@@ -268,6 +268,7 @@ def _unsigned_is_expected():
         return not record.getMessage().startswith("Message signing is disabled")
 
     logger = get_logger()
+    logger = getattr(logger, "logger", logger)  # an application's log may be a LoggerAdapter
     logger.addFilter(keep)
     try:
         yield

@@ -1,5 +1,11 @@
-// The %%distribute dashboard: state, progress, a loss curve per rank (+ mean), worker table.
+// The %%distribute dashboard: state, progress, the reported scalars per rank (+ their mean)
+// on a chart with axes, a legend, a metric choice, log scale, smoothing and a hover read-out,
+// and the worker table. The kernel sends every metric's curves; choosing among them, the
+// scale and the smoothing happen here (the kernel does not answer while the cell runs).
 const SVG = "http://www.w3.org/2000/svg";
+const [W, H] = [480, 210];
+const PAD = { left: 52, right: 12, top: 10, bottom: 34 };
+const SMOOTHING = 0.6; // TensorBoard's default weight for its exponential moving average
 
 // Whole numbers (pids, steps) exactly; measurements to 4 significant digits.
 function fmt(x) {
@@ -7,37 +13,158 @@ function fmt(x) {
   return Number.isInteger(x) ? x.toString() : Number(x.toPrecision(4)).toString();
 }
 
-function chart(svg, series, metric, colors) {
-  svg.replaceChildren();
-  const [w, h, pad] = [420, 160, 28];
-  const pts = Object.values(series).flat();
-  if (!pts.length) return;
-  const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
-  const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  const sx = (w - 2 * pad) / ((x1 - x0) || 1), sy = (h - 2 * pad) / ((y1 - y0) || 1);
-  Object.entries(series).forEach(([name, curve], i) => {
-    const line = document.createElementNS(SVG, "polyline");
-    line.setAttribute("fill", "none");
-    line.setAttribute("stroke-width", "1.5");
-    line.setAttribute("stroke", name === "mean" ? "#000" : colors[i % colors.length]);
-    if (name === "mean") line.setAttribute("stroke-dasharray", "4 3");
-    line.dataset.series = name === "mean" ? "mean" : `rank ${name}`;
-    line.setAttribute("points", curve.map(([s, v]) =>
-      `${(pad + (s - x0) * sx).toFixed(1)},${(h - pad - (v - y0) * sy).toFixed(1)}`).join(" "));
-    svg.appendChild(line);
+// About `count` round ticks (1, 2 or 5 times a power of ten) covering [lo, hi].
+function ticks(lo, hi, count) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count, power = 10 ** Math.floor(Math.log10(raw));
+  const gap = s => Math.abs(Math.log(s / raw));
+  const step = [1, 2, 5, 10].map(m => m * power).reduce((a, b) => (gap(b) < gap(a) ? b : a));
+  const out = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(Number(t.toPrecision(12)));
+  return out;
+}
+
+// Ticks of a log axis over [lo, hi] (in log10 units): powers of ten, with 2 and 5 between
+// them when the range spans few decades, round values of the range when it spans less than one.
+function logTicks(lo, hi) {
+  const out = [];
+  for (let e = Math.floor(lo); e <= Math.ceil(hi); e++) {
+    for (const m of hi - lo > 3 ? [1] : [1, 2, 5]) {
+      const t = Math.log10(m) + e;
+      if (t >= lo - 1e-9 && t <= hi + 1e-9) out.push(t);
+    }
+  }
+  return out.length >= 2 ? out : ticks(10 ** lo, 10 ** hi, 4).filter(v => v > 0).map(Math.log10);
+}
+
+// TensorBoard's smoothing: an exponential moving average, debiased at the start.
+function smooth(curve) {
+  let last = 0, n = 0;
+  return curve.map(([s, v]) => {
+    last = last * SMOOTHING + (1 - SMOOTHING) * v;
+    n += 1;
+    return [s, last / (1 - SMOOTHING ** n)];
   });
-  const label = document.createElementNS(SVG, "text");
-  label.setAttribute("x", pad); label.setAttribute("y", 14); label.setAttribute("font-size", 11);
-  label.textContent = `${metric} (${fmt(y0)} to ${fmt(y1)}), steps ${x0} to ${x1}`;
-  svg.appendChild(label);
+}
+
+function node(tag, attrs, text) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+// Draws `curves` ({"0": [[step, value], ...], ..., "mean": [...]}); returns what the
+// hover read-out needs (the curves as drawn and the x scale), or null when there is nothing.
+function chart(svg, curves, metric, colors, opts) {
+  svg.replaceChildren();
+  const color = (name, i) => (name === "mean" ? "#000" : colors[i % colors.length]);
+  let named = Object.entries(curves).map(([name, c], i) => [name, c, color(name, i)]);
+  if (opts.log) named = named.map(([n, c, k]) => [n, c.filter(p => p[1] > 0).map(([s, v]) => [s, Math.log10(v)]), k]);
+  const pts = named.flatMap(([, c]) => c);
+  if (!pts.length) {
+    svg.appendChild(node("text", { x: PAD.left, y: H / 2, "font-size": 11 },
+      opts.log ? `no positive ${metric} to show on a log scale` : "no points yet"));
+    return null;
+  }
+  const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (x1 === x0) x1 = x0 + 1;
+  if (y1 === y0) [y0, y1] = [y0 - 0.5, y1 + 0.5];
+  const x = s => PAD.left + (s - x0) * (W - PAD.left - PAD.right) / (x1 - x0);
+  const y = v => H - PAD.bottom - (v - y0) * (H - PAD.top - PAD.bottom) / (y1 - y0);
+  const axes = node("g", { class: "js-axes", "font-size": 10, fill: "currentColor" });
+  axes.appendChild(node("line", { x1: PAD.left, x2: W - PAD.right, y1: H - PAD.bottom, y2: H - PAD.bottom, stroke: "#888" }));
+  axes.appendChild(node("line", { x1: PAD.left, x2: PAD.left, y1: PAD.top, y2: H - PAD.bottom, stroke: "#888" }));
+  for (const t of ticks(x0, x1, 6).filter(t => Number.isInteger(t))) {
+    axes.appendChild(node("line", { x1: x(t), x2: x(t), y1: H - PAD.bottom, y2: H - PAD.bottom + 4, stroke: "#888" }));
+    axes.appendChild(node("text", { class: "js-xtick", x: x(t), y: H - PAD.bottom + 14, "text-anchor": "middle" }, fmt(t)));
+  }
+  for (const t of opts.log ? logTicks(y0, y1) : ticks(y0, y1, 5)) {
+    axes.appendChild(node("line", { x1: PAD.left - 4, x2: W - PAD.right, y1: y(t), y2: y(t), stroke: "#e4e4e4" }));
+    axes.appendChild(node("text", { class: "js-ytick", x: PAD.left - 6, y: y(t) + 3, "text-anchor": "end" },
+      fmt(opts.log ? Number((10 ** t).toPrecision(6)) : t)));
+  }
+  axes.appendChild(node("text", { class: "js-xlabel", x: (PAD.left + W - PAD.right) / 2, y: H - 4, "text-anchor": "middle" }, "step"));
+  axes.appendChild(node("text", { class: "js-ylabel", x: 0, y: 0, "text-anchor": "middle",
+    transform: `translate(11 ${(PAD.top + H - PAD.bottom) / 2}) rotate(-90)` }, metric + (opts.log ? " (log)" : "")));
+  svg.appendChild(axes);
+  const drawn = [];
+  for (const [name, curve, stroke] of named) {
+    const shown = opts.smooth ? smooth(curve) : curve;
+    const line = (points, extra) => node("polyline", { fill: "none", "stroke-width": 1.5, stroke, ...extra,
+      points: points.map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`).join(" ") });
+    if (opts.smooth) svg.appendChild(line(curve, { "stroke-opacity": 0.25, "data-raw": name }));
+    const drawnLine = line(shown, name === "mean" ? { "stroke-dasharray": "4 3" } : {});
+    drawnLine.dataset.series = name === "mean" ? "mean" : `rank ${name}`;
+    svg.appendChild(drawnLine);
+    drawn.push([drawnLine.dataset.series, shown]);
+  }
+  return { drawn, step: px => x0 + (px - PAD.left) * (x1 - x0) / (W - PAD.left - PAD.right), x, log: opts.log };
+}
+
+// The point of `curve` nearest to `step` (curves are in step order).
+function nearest(curve, step) {
+  let [lo, hi] = [0, curve.length - 1];
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (curve[mid][0] < step) lo = mid + 1; else hi = mid;
+  }
+  return lo > 0 && step - curve[lo - 1][0] < curve[lo][0] - step ? curve[lo - 1] : curve[lo];
 }
 
 function render({ model, el }) {
   el.classList.add("jupyter-scale");
   el.innerHTML = `<div class="js-head"><b>jupyter_scale</b><span class="js-state"></span>
     <span class="js-message"></span></div><div class="js-progress"></div>
-    <svg class="js-chart" width="420" height="160"></svg><table class="js-workers"></table>`;
+    <div class="js-controls"><select class="js-metric" title="the reported scalar to chart"></select>
+    <label><input type="checkbox" class="js-log"> log scale</label>
+    <label><input type="checkbox" class="js-smooth"> smooth</label></div>
+    <svg class="js-chart" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}"></svg>
+    <div class="js-legend"></div><div class="js-readout">&nbsp;</div><table class="js-workers"></table>`;
   const q = s => el.querySelector(s);
+  let chosen = "", drawn = null;
+  const drawChart = () => {
+    const series = model.get("series") || {}, names = model.get("metrics") || Object.keys(series);
+    const select = q(".js-metric");
+    if (select.options.length !== names.length || [...select.options].some((o, i) => o.value !== names[i])) {
+      select.replaceChildren(...names.map(n => Object.assign(document.createElement("option"), { value: n, textContent: n })));
+    }
+    if (!names.includes(chosen)) chosen = model.get("metric") || names[0] || "";
+    select.value = chosen;
+    select.hidden = names.length < 2;
+    const curves = series[chosen] || {};
+    drawn = chart(q(".js-chart"), curves, chosen, model.get("colors"), { log: q(".js-log").checked, smooth: q(".js-smooth").checked });
+    const legend = q(".js-legend");
+    legend.replaceChildren(...Object.keys(curves).map((name, i) => {
+      const item = document.createElement("span");
+      item.className = "js-key";
+      item.dataset.series = name === "mean" ? "mean" : `rank ${name}`;
+      const swatch = document.createElement("i");
+      swatch.style.borderTopColor = name === "mean" ? "#000" : model.get("colors")[i % model.get("colors").length];
+      if (name === "mean") swatch.style.borderTopStyle = "dashed";
+      item.append(swatch, name === "mean" ? "mean of the ranks" : `rank ${name}`);
+      return item;
+    }));
+  };
+  q(".js-metric").addEventListener("change", e => { chosen = e.target.value; drawChart(); });
+  q(".js-log").addEventListener("change", drawChart);
+  q(".js-smooth").addEventListener("change", drawChart);
+  const svg = q(".js-chart");
+  svg.addEventListener("mousemove", e => {
+    if (!drawn) return;
+    const box = svg.getBoundingClientRect();
+    const step = drawn.step((e.clientX - box.left) * W / box.width);
+    const parts = drawn.drawn.filter(([, c]) => c.length).map(([name, c]) => [name, nearest(c, step)]);
+    if (!parts.length) return;
+    const at = parts[0][1][0];
+    const value = v => fmt(drawn.log ? 10 ** v : v);
+    q(".js-readout").textContent = `step ${fmt(at)}: ` + parts.map(([name, p]) => `${name} ${value(p[1])}`).join(" · ");
+    svg.querySelector(".js-guide")?.remove();
+    svg.appendChild(node("line", { class: "js-guide", x1: drawn.x(at), x2: drawn.x(at), y1: PAD.top, y2: H - PAD.bottom,
+      stroke: "#999", "stroke-dasharray": "2 2" }));
+  });
+  svg.addEventListener("mouseleave", () => { svg.querySelector(".js-guide")?.remove(); q(".js-readout").innerHTML = "&nbsp;"; });
   const draw = () => {
     const state = model.get("state");
     q(".js-state").textContent = state;
@@ -51,7 +178,6 @@ function render({ model, el }) {
     text += ` · ${fmt(p.elapsed ?? 0)} s`;
     if (lost) text += ` · ${lost} points lost`;
     q(".js-progress").textContent = text;
-    chart(q(".js-chart"), model.get("series"), model.get("metric"), model.get("colors"));
     const cols = ["rank", "host", "pid", "device", "state", "last_step", "steps_per_s", "memory"];
     const head = "<tr>" + ["rank", "host", "pid", "device", "state", "last step", "steps/s", "memory"]
       .map(c => `<th>${c}</th>`).join("") + "</tr>";
@@ -64,10 +190,10 @@ function render({ model, el }) {
       table.appendChild(tr);
     }
   };
-  for (const name of ["state", "message", "progress", "series", "workers", "lost", "metric"]) {
-    model.on(`change:${name}`, draw);
-  }
+  for (const name of ["state", "message", "progress", "workers", "lost"]) model.on(`change:${name}`, draw);
+  for (const name of ["series", "metrics", "metric"]) model.on(`change:${name}`, drawChart);
   draw();
+  drawChart();
 }
 
 export default { render };

@@ -16,7 +16,12 @@ import time
 import anywidget
 import traitlets
 
-MAX_POINTS = 400  # per rank on the chart; the full history stays in the kernel
+MAX_POINTS = 400  # per curve on the chart; the full history stays in the kernel
+# What one push carries at most, over every curve of every metric (the frontend switches
+# metrics without asking the kernel, which does not answer while a cell runs): many ranks
+# or metrics get fewer points per curve, never fewer than MIN_POINTS.
+POINTS_PER_PUSH = 2400
+MIN_POINTS = 100
 _META = ("rank", "step", "time", "epoch", "kind")
 
 
@@ -31,8 +36,9 @@ class Dashboard(anywidget.AnyWidget):
 
     state = traitlets.Unicode("starting").tag(sync=True)  # starting running finished failed interrupted
     message = traitlets.Unicode("").tag(sync=True)
-    metric = traitlets.Unicode("").tag(sync=True)  # the charted name (the first one reported)
-    series = traitlets.Dict().tag(sync=True)  # {"0": [[step, value], ...], ..., "mean": [...]}
+    metric = traitlets.Unicode("").tag(sync=True)  # the one charted first (the first one reported)
+    metrics = traitlets.List().tag(sync=True)  # every reported name, in the order first seen
+    series = traitlets.Dict().tag(sync=True)  # {name: {"0": [[step, value], ...], ..., "mean": [...]}}
     progress = traitlets.Dict().tag(sync=True)  # step, total, epoch, rate, eta, elapsed
     workers = traitlets.List().tag(sync=True)  # one row per rank
     lost = traitlets.Int(0).tag(sync=True)
@@ -46,8 +52,8 @@ class DashboardFeed:
         self.world_size = world_size
         self.total_steps = total_steps
         self.started = time.monotonic()
-        self.metric = ""
-        self.curves: dict[int, list[list[float]]] = {r: [] for r in range(world_size)}
+        self.metrics: list[str] = []  # every reported name, in the order first seen
+        self.curves: dict[str, dict[int, list[list[float]]]] = {}  # name -> rank -> [[step, value], ...]
         self.rows: dict[int, dict] = {r: {"rank": r, "state": "starting"} for r in range(world_size)}
         self.state, self.message, self.lost = "starting", "", 0
         self._rate_mark: dict[int, tuple[float, int]] = {}
@@ -64,8 +70,6 @@ class DashboardFeed:
         if event.get("kind") == "stats":
             row["memory"] = f"{event['rss'] / 2**20:.0f} MB"
             return
-        if not self.metric:
-            self.metric = next((k for k in event if k not in _META), "")
         row["last_step"] = event["step"]
         if "epoch" in event:
             row["epoch"] = event["epoch"]
@@ -79,8 +83,19 @@ class DashboardFeed:
             self._rates[rank] = (event["step"] - mark_step) / (now - mark_time)
             row["steps_per_s"] = round(self._rates[rank], 2)
             self._rate_mark[rank] = (now, event["step"])
-        if self.metric in event:
-            self.curves.setdefault(rank, []).append([event["step"], event[self.metric]])
+        for name, value in event.items():
+            if name in _META:
+                continue
+            curves = self.curves.get(name)
+            if curves is None:
+                self.metrics.append(name)
+                curves = self.curves[name] = {r: [] for r in range(self.world_size)}
+            curves.setdefault(rank, []).append([event["step"], value])
+
+    @property
+    def metric(self) -> str:
+        """The name charted first: the first one reported."""
+        return self.metrics[0] if self.metrics else ""
 
     def finish(self, state: str, message: str = "", lost: int = 0) -> None:
         self.state, self.message, self.lost = state, message, lost
@@ -88,16 +103,25 @@ class DashboardFeed:
             if row.get("state") == "running":
                 row["state"] = state if state != "failed" else "stopped"
 
-    def series(self) -> dict:
-        out = {str(r): _downsample(c) for r, c in sorted(self.curves.items()) if c}
+    def series(self, metric: str | None = None, limit: int = MAX_POINTS) -> dict:
+        """One name's curves (default: the first reported): per rank, and the mean at the
+        steps every rank reported."""
+        curves = self.curves.get(self.metric if metric is None else metric, {})
+        out = {str(r): _downsample(c, limit) for r, c in sorted(curves.items()) if c}
         by_step: dict[float, list[float]] = {}
-        for curve in self.curves.values():
+        for curve in curves.values():
             for step, value in curve:
                 by_step.setdefault(step, []).append(value)
-        mean = [[s, sum(v) / len(v)] for s, v in sorted(by_step.items()) if len(v) == len(self.curves)]
-        if mean and len(self.curves) > 1:
-            out["mean"] = _downsample(mean)
+        mean = [[s, sum(v) / len(v)] for s, v in sorted(by_step.items()) if len(v) == len(curves)]
+        if mean and len(curves) > 1:
+            out["mean"] = _downsample(mean, limit)
         return out
+
+    def all_series(self) -> dict:
+        """Every name's curves, within one push's budget of points."""
+        count = sum(len(c) + (len(c) > 1) for c in self.curves.values())
+        limit = max(MIN_POINTS, min(MAX_POINTS, POINTS_PER_PUSH // max(count, 1)))
+        return {name: self.series(name, limit) for name in self.metrics}
 
     def progress(self) -> dict:
         steps = [row.get("last_step", -1) + 1 for row in self.rows.values()]
@@ -118,7 +142,7 @@ class DashboardFeed:
     def push(self, widget: Dashboard) -> None:
         with widget.hold_sync():  # one message for all traits
             widget.state, widget.message, widget.metric = self.state, self.message, self.metric
-            widget.series, widget.progress = self.series(), self.progress()
+            widget.metrics, widget.series, widget.progress = list(self.metrics), self.all_series(), self.progress()
             # Copies: traitlets compares with the previous value, which would share these dicts.
             widget.workers = [dict(self.rows[r]) for r in sorted(self.rows)]
             widget.lost = self.lost
@@ -150,6 +174,11 @@ def snapshot_html(feed: DashboardFeed) -> str:
             lines.append(f'<polyline data-series="{label}" fill="none" stroke-width="1.5" {style} points="{xy}"/>')
         lines.append(f'<text x="{pad}" y="14" font-size="11">{html.escape(feed.metric)} '
                      f'({y0:.4g} to {y1:.4g}), steps {x0:g} to {x1:g}</text>')
+    legend = " ".join(
+        f'<span data-series="{"mean" if name == "mean" else f"rank {name}"}" style="color:'
+        f'{"#000" if name == "mean" else PALETTE[i % len(PALETTE)]}">'
+        f'{"- - mean of the ranks" if name == "mean" else f"&mdash; rank {name}"}</span>'
+        for i, name in enumerate(series))
     progress = feed.progress()
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(row.get(k, '')))}</td>"
@@ -163,4 +192,5 @@ def snapshot_html(feed: DashboardFeed) -> str:
     return (f'<div class="jupyter-scale-snapshot"><b>jupyter_scale</b> · {status} · step {progress["step"]}'
             f' · {progress["elapsed"]} s{lost}'
             f'<svg width="{width}" height="{height}" style="display:block">{"".join(lines)}</svg>'
+            f'<div>{legend}</div>'
             f'<table><tr>{head}</tr>{rows}</table></div>')

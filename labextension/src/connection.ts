@@ -3,10 +3,12 @@
  * `jupyter_scale`, which `%load_ext jupyter_scale` registers in the kernel.
  *
  * The sidebar opens the comm when it attaches to a kernel (so it re-attaches after a
- * page reload or when the notebook is reopened), and again when the reply to a cell
- * carries the payload `%load_ext jupyter_scale` writes (the extension was loaded while
- * the sidebar was showing). The kernel never opens one itself: frontends without this
- * extension would log "No handler found for comm target".
+ * page reload or when the notebook is reopened), and again where the extension may have
+ * been loaded since: when the reply to a cell carries the payload `%load_ext jupyter_scale`
+ * writes, when the kernel is idle after any client ran code naming jupyter_scale (a console
+ * on the same kernel gets that reply, not this page), and when it is idle after a restart
+ * (the extension loaded by the kernel's configuration). The kernel never opens one itself:
+ * frontends without this extension would log "No handler found for comm target".
  */
 import { ISessionContext } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
@@ -81,6 +83,14 @@ function loadedBy(msg: KernelMessage.IMessage): boolean {
   return payload.some(item => item.source === COMM_TARGET);
 }
 
+/** Whether `msg` is code run by any client of the kernel that names jupyter_scale. */
+function mentionsUs(msg: KernelMessage.IMessage): boolean {
+  return (
+    msg.header.msg_type === 'execute_input' &&
+    String((msg.content as { code?: string }).code ?? '').includes(COMM_TARGET)
+  );
+}
+
 export class ScaleConnection {
   constructor(private readonly _tracker: INotebookTracker) {
     _tracker.currentChanged.connect(this._onNotebook, this);
@@ -135,6 +145,13 @@ export class ScaleConnection {
   private _onStatus(context: ISessionContext, status: Kernel.Status): void {
     if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
       this._detach('not-loaded');
+      this._retry = true;
+    } else if (status === 'idle' && this._retry && this._link === 'not-loaded') {
+      this._retry = false;
+      const kernel = context.session?.kernel;
+      if (kernel) {
+        this._open(kernel);
+      }
     }
   }
 
@@ -148,12 +165,16 @@ export class ScaleConnection {
       this._registered.add(kernel);
       kernel.anyMessage.connect((_, args) => {
         if (
-          args.direction === 'recv' &&
-          loadedBy(args.msg) &&
-          this._panel?.sessionContext.session?.kernel === kernel &&
-          this._link !== 'attached'
+          args.direction !== 'recv' ||
+          this._panel?.sessionContext.session?.kernel !== kernel ||
+          this._link === 'attached'
         ) {
+          return;
+        }
+        if (loadedBy(args.msg)) {
           this._open(kernel);
+        } else if (mentionsUs(args.msg)) {
+          this._retry = true; // opened when the kernel is idle again
         }
       });
     }
@@ -220,5 +241,6 @@ export class ScaleConnection {
   private _error = '';
   private _link: Link = 'no-notebook';
   private _registered = new WeakSet<Kernel.IKernelConnection>();
+  private _retry = false; // open the comm when the kernel is next idle
   private _changed = new Signal<this, void>(this);
 }
