@@ -45,14 +45,26 @@ def free_port() -> int:
 
 @pytest.fixture
 def lab(tmp_path):
+    yield from _server(tmp_path, "jupyterlab", "LabApp")
+
+
+@pytest.fixture
+def notebook7(tmp_path):
+    pytest.importorskip("notebook", minversion="7")
+    yield from _server(tmp_path, "notebook", "JupyterNotebookApp")
+
+
+def _server(tmp_path, module: str, app: str):
+    """A Jupyter server of `module` (JupyterLab, or Notebook 7) on 127.0.0.1 serving tmp_path,
+    whose dash.ipynb is NOTEBOOK; stopped afterwards with everything it started."""
     (tmp_path / "dash.ipynb").write_text(json.dumps(NOTEBOOK))
     port, token = free_port(), "jupyter-scale-test"
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        [sys.executable, "-m", module, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
          "--ServerApp.open_browser=False", "--allow-root",
          # A workspace and settings of its own: nothing restored from another test's session.
-         f"--LabApp.workspaces_dir={tmp_path / '.workspaces'}", f"--LabApp.user_settings_dir={tmp_path / '.settings'}"],
+         f"--{app}.workspaces_dir={tmp_path / '.workspaces'}", f"--{app}.user_settings_dir={tmp_path / '.settings'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -61,7 +73,7 @@ def lab(tmp_path):
             urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
             break
         except OSError:
-            assert time.monotonic() < deadline and server.poll() is None, "jupyter lab did not start"
+            assert time.monotonic() < deadline and server.poll() is None, f"{module} did not start"
             time.sleep(0.5)
     yield url, token, server
     started = psutil.Process(server.pid).children(recursive=True)
@@ -77,8 +89,9 @@ def lab(tmp_path):
 
 
 @contextlib.contextmanager
-def notebook_page(lab, name: str, width: int = 1200):
-    """Headless Chromium showing notebook `name` of the `lab` server, cells on screen."""
+def notebook_page(lab, name: str, width: int = 1200, path: str = "lab/tree"):
+    """Headless Chromium showing notebook `name` of the `lab` server (at `path`: Notebook 7's
+    is "notebooks"), cells on screen."""
     from playwright.sync_api import sync_playwright
 
     url, token, _ = lab
@@ -87,7 +100,7 @@ def notebook_page(lab, name: str, width: int = 1200):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
             page = browser.new_page(viewport={"width": width, "height": 900})
-            page.goto(f"{url}/lab/tree/{name}?token={token}")
+            page.goto(f"{url}/{path}/{name}?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             yield page
         finally:
@@ -104,11 +117,13 @@ def dismiss_news_prompt(page) -> None:
         pass
 
 
-def run_all_cells(page, attempts: int = 4) -> None:
+def run_all_cells(page, attempts: int = 4, idle: str = "(ipykernel) | Idle", shown: bool = True) -> None:
     """Run the notebook's two cells; retry while the kernel connection is still coming up
-    (key presses before that move the cursor without executing anything)."""
+    (key presses before that move the cursor without executing anything). `idle`: the text the
+    frontend has once its kernel is connected and idle (`shown`: on screen, not only for
+    screen readers)."""
     for _ in range(attempts):
-        page.get_by_text("(ipykernel) | Idle").first.wait_for(timeout=60_000)  # the kernel is connected
+        page.get_by_text(idle).first.wait_for(state="visible" if shown else "attached", timeout=60_000)
         page.locator(".jp-Cell .jp-InputArea-editor").first.click()
         page.keyboard.press("Shift+Enter")
         page.keyboard.press("Shift+Enter")
@@ -238,3 +253,32 @@ def test_sidebar_follows_the_job_interrupts_reattaches_after_reload_and_stops_th
         sidebar.locator(".jp-ScalePanel-cluster[data-running='false']").wait_for(timeout=60_000)
         assert wait_gone(workers, timeout=30) == []  # kernel side: the workers are gone
         assert sidebar.locator("tr[data-rank]").count() == 0
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
+def test_notebook7_shows_the_dashboard_and_the_sidebar(notebook7):
+    with notebook_page(notebook7, "dash.ipynb", width=1400, path="notebooks") as page:
+        # The sidebar, opened before %load_ext as a user may: View > Right Sidebar.
+        page.locator(".lm-MenuBar-itemLabel", has_text="View").click()
+        page.locator(".lm-Menu-itemLabel", has_text="Right Sidebar").hover()
+        page.locator(".lm-Menu-itemLabel", has_text="Show Scale").click()
+        sidebar = page.locator("#jupyter-scale-sidebar")
+        sidebar.locator("[data-link='not-loaded']").wait_for(timeout=60_000)
+        run_all_cells(page, idle="Kernel status: Idle", shown=False)
+        dashboard = page.locator(".jupyter-scale").first
+        try:
+            dashboard.locator(".js-state[data-state='finished']").wait_for(timeout=90_000)
+            sidebar.locator(".jp-ScalePanel-jobState[data-state='finished']").wait_for(timeout=30_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOTS / "notebook7-failure.png"))
+            raise
+        chart = dashboard.locator(".js-chart")
+        assert chart.locator(".js-xlabel").text_content() == "step"
+        assert chart.locator(".js-ylabel").text_content() == "loss"
+        assert dashboard.locator(".js-legend .js-key").all_text_contents() == ["rank 0", "rank 1", "mean of the ranks"]
+        dashboard.locator(".js-metric").select_option("lr")
+        dashboard.locator(".js-log").check()
+        assert chart.locator(".js-ylabel").text_content() == "lr (log)"
+        assert sidebar.locator("tr[data-rank]").count() == 2
+        assert sidebar.locator(".jp-ScalePanel-chart polyline").count() == 3  # rank 0, rank 1, mean
+        page.screenshot(path=str(SCREENSHOTS / "notebook7.png"))
