@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 COMM_TARGET = "jupyter_scale"
 PUSH_INTERVAL = 0.25  # seconds between state messages while a cell runs
+SERIES_BUDGET, SERIES_LEAST = 600, 40  # chart points in a state message, in all and at least a curve
 
 
 # What the sidebar is sent. labextension/src/connection.ts declares the same shapes (its
@@ -76,8 +77,9 @@ class JobState(TypedDict):
     status: str  # running, finished, failed, interrupted, timed out
     error: str
     workers: int
-    metric: str
-    series: dict[str, list[list[float]]]  # "0", "1", ..., "mean" -> [[step, value], ...]
+    metric: str  # the one charted first (the first reported)
+    metrics: list[str]  # every reported name, in the order first seen
+    series: dict[str, dict[str, list[list[float]]]]  # name -> "0", "1", ..., "mean" -> [[step, value], ...]
     colors: list[str]  # the ranks' curves in turn
     progress: ProgressState
     fraction: float | None
@@ -259,7 +261,10 @@ class SidebarChannel:
             "error": record.error,
             "workers": record.workers,
             "metric": feed.metric,
-            "series": feed.series(),
+            "metrics": list(feed.metrics),
+            # Every name's, few points each (a 240 px chart; a state goes out 4 times a second):
+            # the sidebar switches among them while the cell runs, when the kernel answers nothing.
+            "series": feed.all_series(budget=SERIES_BUDGET, least=SERIES_LEAST),
             "colors": PALETTE,
             "progress": progress,
             "fraction": min(1.0, progress["step"] / total) if total else None,

@@ -281,4 +281,10 @@ def test_notebook7_shows_the_dashboard_and_the_sidebar(notebook7):
         assert chart.locator(".js-ylabel").text_content() == "lr (log)"
         assert sidebar.locator("tr[data-rank]").count() == 2
         assert sidebar.locator(".jp-ScalePanel-chart polyline").count() == 3  # rank 0, rank 1, mean
+        assert sidebar.locator(".jp-ScalePanel-ylabel").text_content() == "loss"
+        assert sidebar.locator(".jp-ScalePanel-key").all_text_contents() == ["rank 0", "rank 1", "mean"]
+        sidebar.locator(".jp-ScalePanel-metric").select_option("lr")
+        sidebar.locator(".jp-ScalePanel-log").check()
+        assert sidebar.locator(".jp-ScalePanel-ylabel").text_content() == "lr (log)"
+        assert len(sidebar.locator(".jp-ScalePanel-ytick").all_text_contents()) >= 2
         page.screenshot(path=str(SCREENSHOTS / "notebook7.png"))

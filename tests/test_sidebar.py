@@ -106,8 +106,9 @@ def test_a_running_job_streams_progress_and_its_curve_then_finishes(sidebar):
     assert any(r["state"] == "running" for s in states(out) for r in s["ranks"])
     last = states(out)[-1]
     assert last["job"]["status"] == "finished" and last["job"]["fraction"] == 1.0
-    assert last["job"]["metric"] == "loss"
-    assert set(last["job"]["series"]) == {"0", "1", "mean"} and len(last["job"]["series"]["0"]) == 40
+    assert last["job"]["metric"] == "loss" and last["job"]["metrics"] == ["loss"]
+    curves = last["job"]["series"]["loss"]
+    assert set(curves) == {"0", "1", "mean"} and len(curves["0"]) == 40
     assert [r["state"] for r in last["ranks"]] == ["idle", "idle"]
     assert all(r["last_step"] == 39 and r["memory"].endswith(" MB") for r in last["ranks"])
     assert len(json.dumps(last)) < 20_000  # a state message stays small

@@ -117,10 +117,10 @@ class DashboardFeed:
             out["mean"] = _downsample(mean, limit)
         return out
 
-    def all_series(self) -> dict:
-        """Every name's curves, within one push's budget of points."""
+    def all_series(self, budget: int = POINTS_PER_PUSH, least: int = MIN_POINTS) -> dict:
+        """Every name's curves, within `budget` points in all, never under `least` a curve."""
         count = sum(len(c) + (len(c) > 1) for c in self.curves.values())
-        limit = max(MIN_POINTS, min(MAX_POINTS, POINTS_PER_PUSH // max(count, 1)))
+        limit = max(least, min(MAX_POINTS, budget // max(count, 1)))
         return {name: self.series(name, limit) for name in self.metrics}
 
     def progress(self) -> dict:

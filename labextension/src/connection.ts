@@ -47,8 +47,9 @@ export interface IJob {
   status: string; // running, finished, failed, interrupted, timed out
   error: string;
   workers: number;
-  metric: string;
-  series: { [name: string]: number[][] };
+  metric: string; // the one charted first (the first reported)
+  metrics: string[]; // every reported name, in the order first seen
+  series: { [metric: string]: { [name: string]: number[][] } };
   colors: string[]; // the ranks' curves in turn
   progress: IProgress;
   fraction: number | null;

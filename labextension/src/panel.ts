@@ -159,40 +159,140 @@ export class ScalePanel extends Widget {
     return section;
   }
 
-  private _chart(job: IJob): Element {
-    const ns = 'http://www.w3.org/2000/svg';
-    const width = 240, height = 100, pad = 6;
-    const svg = document.createElementNS(ns, 'svg');
-    svg.setAttribute('class', 'jp-ScalePanel-chart');
-    svg.setAttribute('viewBox', `0 0 ${width} ${height}`);
-    const series = Object.entries(job.series);
-    const points = series.flatMap(([, curve]) => curve);
-    if (!points.length) {
-      return svg;
+  private _chart(job: IJob): HTMLElement {
+    const names = job.metrics ?? [job.metric];
+    if (!names.includes(this._metric)) {
+      this._metric = job.metric;
     }
-    const xs = points.map(q => q[0]), ys = points.map(q => q[1]);
-    const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-    const sx = (width - 2 * pad) / (x1 - x0 || 1), sy = (height - 2 * pad) / (y1 - y0 || 1);
-    series.forEach(([name, curve], i) => {
-      const line = document.createElementNS(ns, 'polyline');
-      line.setAttribute('data-series', name === 'mean' ? 'mean' : `rank ${name}`);
-      line.setAttribute('fill', 'none');
-      const colors = job.colors ?? []; // an older kernel sends none
-      const stroke = colors.length ? colors[i % colors.length] : 'var(--jp-ui-font-color2)';
-      line.setAttribute('stroke', name === 'mean' ? 'var(--jp-ui-font-color1)' : stroke);
-      line.setAttribute('stroke-width', '1.5');
-      if (name === 'mean') {
-        line.setAttribute('stroke-dasharray', '4 3');
+    const metric = this._metric;
+    const controls = el('div', { class: 'jp-ScalePanel-chartControls' });
+    if (names.length > 1) {
+      const select = el('select', { class: 'jp-ScalePanel-metric', 'aria-label': 'metric' },
+        ...names.map(n => el('option', { value: n }, n)));
+      select.value = metric;
+      select.onchange = () => {
+        this._metric = select.value;
+        this._render();
+      };
+      controls.append(select);
+    }
+    const log = el('input', { type: 'checkbox', class: 'jp-ScalePanel-log' });
+    log.checked = this._log;
+    log.onchange = () => {
+      this._log = log.checked;
+      this._render();
+    };
+    controls.append(el('label', {}, log, ' log scale'));
+    const curves = job.series[metric] ?? {};
+    const colors = job.colors ?? []; // an older kernel sends none
+    const color = (name: string, i: number) =>
+      name === 'mean' ? 'var(--jp-ui-font-color1)' : colors.length ? colors[i % colors.length] : 'var(--jp-ui-font-color2)';
+    const legend = el('div', { class: 'jp-ScalePanel-legend' },
+      ...Object.keys(curves).map((name, i) => {
+        const swatch = el('i', { style: `border-top: 2px ${name === 'mean' ? 'dashed' : 'solid'} ${color(name, i)}` });
+        return el('span', { class: 'jp-ScalePanel-key', 'data-series': name === 'mean' ? 'mean' : `rank ${name}` },
+          swatch, name === 'mean' ? 'mean' : `rank ${name}`);
+      }));
+    return el('div', {}, controls, plot(curves, metric, this._log, color), legend);
+  }
+
+  private _metric = ''; // the metric the chart shows (kept across states)
+  private _log = false;
+}
+
+// About `count` round ticks (1, 2 or 5 times a power of ten) covering [lo, hi].
+function ticks(lo: number, hi: number, count: number): number[] {
+  if (!(hi > lo)) {
+    return [lo];
+  }
+  const raw = (hi - lo) / count, power = 10 ** Math.floor(Math.log10(raw));
+  const gap = (s: number) => Math.abs(Math.log(s / raw));
+  const step = [1, 2, 5, 10].map(m => m * power).reduce((a, b) => (gap(b) < gap(a) ? b : a));
+  const out: number[] = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) {
+    out.push(Number(t.toPrecision(12)));
+  }
+  return out;
+}
+
+// Ticks of a log axis over [lo, hi] (log10 units): powers of ten, with 2 and 5 between them
+// over few decades, round values of the range when it spans less than one (as the dashboard's).
+function logTicks(lo: number, hi: number): number[] {
+  const out: number[] = [];
+  for (let e = Math.floor(lo); e <= Math.ceil(hi); e++) {
+    for (const m of hi - lo > 3 ? [1] : [1, 2, 5]) {
+      const t = Math.log10(m) + e;
+      if (t >= lo - 1e-9 && t <= hi + 1e-9) {
+        out.push(t);
       }
-      line.setAttribute('points',
-        curve.map(([s, v]) => `${(pad + (s - x0) * sx).toFixed(1)},${(height - pad - (v - y0) * sy).toFixed(1)}`).join(' '));
-      svg.appendChild(line);
-    });
-    const label = document.createElementNS(ns, 'title');
-    label.textContent = `${job.metric}: ${y0.toPrecision(4)} to ${y1.toPrecision(4)}`;
-    svg.appendChild(label);
+    }
+  }
+  return out.length >= 2 ? out : ticks(10 ** lo, 10 ** hi, 4).filter(v => v > 0).map(Math.log10);
+}
+
+function fmt(x: number): string {
+  return Number.isInteger(x) ? String(x) : String(Number(x.toPrecision(3)));
+}
+
+/** The curves of `metric` with axes: steps across, values (or their log) up. */
+function plot(curves: { [name: string]: number[][] }, metric: string, log: boolean,
+  color: (name: string, i: number) => string): SVGElement {
+  const ns = 'http://www.w3.org/2000/svg';
+  const [width, height] = [260, 130];
+  const pad = { left: 40, right: 6, top: 6, bottom: 26 };
+  const node = (tag: string, attrs: { [key: string]: string | number }, text?: string) => {
+    const n = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) {
+      n.setAttribute(k, String(v));
+    }
+    if (text !== undefined) {
+      n.textContent = text;
+    }
+    return n;
+  };
+  const svg = node('svg', { class: 'jp-ScalePanel-chart', viewBox: `0 0 ${width} ${height}` }) as SVGElement;
+  const named = Object.entries(curves).map(([name, curve], i): [string, number[][], string] => [
+    name, log ? curve.filter(p => p[1] > 0).map(([s, v]) => [s, Math.log10(v)]) : curve, color(name, i)]);
+  const points = named.flatMap(([, curve]) => curve);
+  if (!points.length) {
     return svg;
   }
+  const xs = points.map(q => q[0]), ys = points.map(q => q[1]);
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (x1 === x0) {
+    x1 = x0 + 1;
+  }
+  if (y1 === y0) {
+    [y0, y1] = [y0 - 0.5, y1 + 0.5];
+  }
+  const x = (s: number) => pad.left + (s - x0) * (width - pad.left - pad.right) / (x1 - x0);
+  const y = (v: number) => height - pad.bottom - (v - y0) * (height - pad.top - pad.bottom) / (y1 - y0);
+  const axes = node('g', { class: 'jp-ScalePanel-axes', 'font-size': 9, fill: 'var(--jp-ui-font-color2)' });
+  axes.append(
+    node('line', { x1: pad.left, x2: width - pad.right, y1: height - pad.bottom, y2: height - pad.bottom, stroke: 'var(--jp-border-color1)' }),
+    node('line', { x1: pad.left, x2: pad.left, y1: pad.top, y2: height - pad.bottom, stroke: 'var(--jp-border-color1)' }));
+  for (const t of ticks(x0, x1, 4).filter(t => Number.isInteger(t))) {
+    axes.append(node('text', { class: 'jp-ScalePanel-xtick', x: x(t), y: height - pad.bottom + 10, 'text-anchor': 'middle' }, fmt(t)));
+  }
+  for (const t of log ? logTicks(y0, y1).filter((_, i, all) => all.length <= 6 || i % 2 === 0) : ticks(y0, y1, 4)) {
+    axes.append(node('text', { class: 'jp-ScalePanel-ytick', x: pad.left - 3, y: y(t) + 3, 'text-anchor': 'end' },
+      fmt(log ? Number((10 ** t).toPrecision(3)) : t)));
+  }
+  axes.append(
+    node('text', { class: 'jp-ScalePanel-xlabel', x: (pad.left + width - pad.right) / 2, y: height - 2, 'text-anchor': 'middle' }, 'step'),
+    node('text', { class: 'jp-ScalePanel-ylabel', x: 0, y: 0, 'text-anchor': 'middle',
+      transform: `translate(8 ${(pad.top + height - pad.bottom) / 2}) rotate(-90)` }, metric + (log ? ' (log)' : '')));
+  svg.append(axes);
+  for (const [name, curve, stroke] of named) {
+    const line = node('polyline', { fill: 'none', stroke, 'stroke-width': 1.5,
+      'data-series': name === 'mean' ? 'mean' : `rank ${name}`,
+      points: curve.map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`).join(' ') });
+    if (name === 'mean') {
+      line.setAttribute('stroke-dasharray', '4 3');
+    }
+    svg.append(line);
+  }
+  return svg;
 }
 
 /** The status-bar item, e.g. `Scale: 2 workers · running 45%`. */
