@@ -125,6 +125,28 @@ class RunView:
         self.handle.update(bundle, raw=True)
 
 
+class StatusLine:
+    """What the cluster is doing, in one line: updated in place where the frontend shows
+    displays (JupyterLab, Notebook 7, VS Code: see wants_widget), printed line by line
+    elsewhere (nbconvert, a terminal), where a line cannot change."""
+
+    def __init__(self, session: ScaleSession):
+        self._live = wants_widget(session)
+        self._handle = None
+
+    def say(self, text: str) -> None:
+        if not self._live:
+            print(text, flush=True)
+            return
+        bundle = {"text/plain": text}
+        if self._handle is None:
+            from IPython.display import display
+
+            self._handle = display(bundle, raw=True, display_id=True)
+        else:
+            self._handle.update(bundle, raw=True)
+
+
 def wants_widget(session: ScaleSession) -> bool:
     """The live widget where a frontend shows it (JupyterLab, VS Code); else text lines."""
     if session.display != "auto":

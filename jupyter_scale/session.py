@@ -36,7 +36,7 @@ from . import (
     worker,
 )
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
-from .display import RunView
+from .display import RunView, StatusLine
 from .errors import CellTimeout, ClusterError, DistributeError, RemoteError, WorkerLost
 from .protocol import CellReply, CellRequest, Layout
 from .run import CellRun, RunRecord, interrupts_noted
@@ -217,13 +217,14 @@ class ScaleSession(LoggingConfigurable):
             raise ClusterError(f"a cluster of {self.size} workers is already running; "
                                "use %scale restart --workers N to change it")
         started = time.monotonic()
+        line = StatusLine(self)  # "starting ...", then "ready": one line where the frontend can update it
         if self._warmed_up is not None and (self.connection is not None or self._warmed_up != self.backend_name):
             forkserver.close_all()  # what warm_up prepared for another engine, or for a cluster we start
             self._warmed_up = None
         if self.connection is not None:
             name, where = self.connection
             backend = create_backend(name, parent=self)
-            print(f"jupyter_scale: connecting to the {name} cluster at {_where(where)} ...", flush=True)
+            line.say(f"jupyter_scale: connecting to the {name} cluster at {_where(where)} ...")
             backend.connect(workers, timeout=self.start_timeout, **where)
         else:
             n = workers or self.default_workers
@@ -235,14 +236,12 @@ class ScaleSession(LoggingConfigurable):
             placement = launchers.create_launcher(name, parent=self, **options)
             backend = create_backend(self.backend_name, parent=self)
             if placement.name == "local":
-                print(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...",
-                      flush=True)
+                line.say(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...")
             else:
                 how = ("mpiexec" if placement.name == "mpi" else "a Slurm job" if self.backend_name == "ipyparallel"
                        else "Slurm jobs")
-                print(f"jupyter_scale: starting {n} {self.backend_name} workers with {how} (the kernel's "
-                      f"{backend.hub} at "
-                      f"{placement.listen_address()}) ...", flush=True)
+                line.say(f"jupyter_scale: starting {n} {self.backend_name} workers with {how} (the kernel's "
+                         f"{backend.hub} at {placement.listen_address()}) ...")
             try:
                 backend.start(n, timeout=self.start_timeout, launcher=placement)
             except BaseException:
@@ -250,9 +249,9 @@ class ScaleSession(LoggingConfigurable):
                 raise
             self.placement = placement
         self.backend = backend
-        self._welcome_workers(started)
+        self._welcome_workers(started, line)
 
-    def _welcome_workers(self, started: float) -> None:
+    def _welcome_workers(self, started: float, line: StatusLine | None = None) -> None:
         """New workers (a new cluster's, or replacements): the group, the tie to this kernel."""
         backend = self._require_backend()
         try:
@@ -271,8 +270,8 @@ class ScaleSession(LoggingConfigurable):
         except BaseException:
             self._shutdown()
             raise
-        print(f"jupyter_scale: {backend.size} workers ready ({self.group['backend']}) in "
-              f"{time.monotonic() - started:.1f} s", flush=True)
+        (line or StatusLine(self)).say(f"jupyter_scale: {backend.size} workers ready ({self.group['backend']}) in "
+                                       f"{time.monotonic() - started:.1f} s")
         self._notify("cluster_changed")
 
     def warm_up(self) -> None:

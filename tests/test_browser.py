@@ -145,6 +145,10 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
             page.screenshot(path=str(SCREENSHOTS / "failure.png"))
             raise
         assert state.inner_text() == "finished"
+        # The cluster's start is one line, updated: "starting ..." became "ready".
+        said = [t for t in page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-OutputArea-output").all_inner_texts()
+                if t.strip().startswith("jupyter_scale:")]
+        assert len(said) == 1 and "2 workers ready" in said[0] and "starting" not in said[0], said
         chart = page.locator(".jupyter-scale .js-chart")
         assert chart.locator("polyline[data-series='rank 0']").count() == 1
         assert chart.locator("polyline[data-series='rank 1']").count() == 1
