@@ -291,4 +291,10 @@ def test_notebook7_shows_the_dashboard_and_the_sidebar(notebook7):
         sidebar.locator(".jp-ScalePanel-log").check()
         assert sidebar.locator(".jp-ScalePanel-ylabel").text_content() == "lr (log)"
         assert len(sidebar.locator(".jp-ScalePanel-ytick").all_text_contents()) >= 2
+        sidebar.locator(".jp-ScalePanel-smooth").check()
+        assert sidebar.locator(".jp-ScalePanel-chart polyline[data-raw]").count() == 3
+        box = sidebar.locator(".jp-ScalePanel-chart").bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.4)
+        readout = sidebar.locator(".jp-ScalePanel-readout").inner_text()
+        assert readout.startswith("step ") and "rank 1" in readout and "mean" in readout
         page.screenshot(path=str(SCREENSHOTS / "notebook7.png"))

@@ -183,6 +183,13 @@ export class ScalePanel extends Widget {
       this._render();
     };
     controls.append(el('label', {}, log, ' log scale'));
+    const smooth = el('input', { type: 'checkbox', class: 'jp-ScalePanel-smooth' });
+    smooth.checked = this._smooth;
+    smooth.onchange = () => {
+      this._smooth = smooth.checked;
+      this._render();
+    };
+    controls.append(el('label', {}, smooth, ' smooth'));
     const curves = job.series[metric] ?? {};
     const colors = job.colors ?? []; // an older kernel sends none
     const color = (name: string, i: number) =>
@@ -193,11 +200,30 @@ export class ScalePanel extends Widget {
         return el('span', { class: 'jp-ScalePanel-key', 'data-series': name === 'mean' ? 'mean' : `rank ${name}` },
           swatch, name === 'mean' ? 'mean' : `rank ${name}`);
       }));
-    return el('div', {}, controls, plot(curves, metric, this._log, color), legend);
+    const readout = el('div', { class: 'jp-ScalePanel-readout' });
+    const chart = plot(curves, metric, { log: this._log, smooth: this._smooth }, color);
+    // The values at the step under the mouse; kept while new states redraw the chart.
+    const show = () => {
+      const said = this._hover === null ? '' : chart.readout(this._hover);
+      readout.textContent = said || '\u00a0';
+    };
+    chart.svg.addEventListener('mousemove', e => {
+      const box = chart.svg.getBoundingClientRect();
+      this._hover = (e.clientX - box.left) / box.width;
+      show();
+    });
+    chart.svg.addEventListener('mouseleave', () => {
+      this._hover = null;
+      show();
+    });
+    show();
+    return el('div', {}, controls, chart.svg, legend, readout);
   }
 
   private _metric = ''; // the metric the chart shows (kept across states)
   private _log = false;
+  private _smooth = false;
+  private _hover: number | null = null; // where the mouse is over the chart, 0 to 1 across
 }
 
 // About `count` round ticks (1, 2 or 5 times a power of ten) covering [lo, hi].
@@ -234,12 +260,42 @@ function fmt(x: number): string {
   return Number.isInteger(x) ? String(x) : String(Number(x.toPrecision(3)));
 }
 
+// TensorBoard's smoothing (as the dashboard's): an exponential moving average, debiased.
+function smoothed(curve: number[][], weight = 0.6): number[][] {
+  let last = 0;
+  return curve.map(([s, v], n) => {
+    last = last * weight + (1 - weight) * v;
+    return [s, last / (1 - weight ** (n + 1))];
+  });
+}
+
+/** The point of `curve` (in step order) nearest to `step`. */
+function nearest(curve: number[][], step: number): number[] {
+  let [lo, hi] = [0, curve.length - 1];
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (curve[mid][0] < step) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo > 0 && step - curve[lo - 1][0] < curve[lo][0] - step ? curve[lo - 1] : curve[lo];
+}
+
+interface IPlot {
+  svg: SVGElement;
+  /** The values at `at` (0 to 1 across the chart): "step 12: rank 0 0.43 · ..." */
+  readout(at: number): string;
+}
+
 /** The curves of `metric` with axes: steps across, values (or their log) up. */
-function plot(curves: { [name: string]: number[][] }, metric: string, log: boolean,
-  color: (name: string, i: number) => string): SVGElement {
+function plot(curves: { [name: string]: number[][] }, metric: string, opts: { log: boolean; smooth: boolean },
+  color: (name: string, i: number) => string): IPlot {
   const ns = 'http://www.w3.org/2000/svg';
   const [width, height] = [260, 130];
   const pad = { left: 40, right: 6, top: 6, bottom: 26 };
+  const log = opts.log;
   const node = (tag: string, attrs: { [key: string]: string | number }, text?: string) => {
     const n = document.createElementNS(ns, tag);
     for (const [k, v] of Object.entries(attrs)) {
@@ -255,7 +311,7 @@ function plot(curves: { [name: string]: number[][] }, metric: string, log: boole
     name, log ? curve.filter(p => p[1] > 0).map(([s, v]) => [s, Math.log10(v)]) : curve, color(name, i)]);
   const points = named.flatMap(([, curve]) => curve);
   if (!points.length) {
-    return svg;
+    return { svg, readout: () => '' };
   }
   const xs = points.map(q => q[0]), ys = points.map(q => q[1]);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
@@ -283,16 +339,38 @@ function plot(curves: { [name: string]: number[][] }, metric: string, log: boole
     node('text', { class: 'jp-ScalePanel-ylabel', x: 0, y: 0, 'text-anchor': 'middle',
       transform: `translate(8 ${(pad.top + height - pad.bottom) / 2}) rotate(-90)` }, metric + (log ? ' (log)' : '')));
   svg.append(axes);
+  const drawn: [string, number[][]][] = [];
   for (const [name, curve, stroke] of named) {
-    const line = node('polyline', { fill: 'none', stroke, 'stroke-width': 1.5,
-      'data-series': name === 'mean' ? 'mean' : `rank ${name}`,
-      points: curve.map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`).join(' ') });
-    if (name === 'mean') {
-      line.setAttribute('stroke-dasharray', '4 3');
+    const label = name === 'mean' ? 'mean' : `rank ${name}`;
+    const line = (pts: number[][]) => node('polyline', { fill: 'none', stroke, 'stroke-width': 1.5,
+      points: pts.map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`).join(' ') });
+    const shown = opts.smooth ? smoothed(curve) : curve;
+    if (opts.smooth) {
+      const raw = line(curve);
+      raw.setAttribute('stroke-opacity', '0.25');
+      raw.setAttribute('data-raw', label);
+      svg.append(raw);
     }
-    svg.append(line);
+    const main = line(shown);
+    main.setAttribute('data-series', label);
+    if (name === 'mean') {
+      main.setAttribute('stroke-dasharray', '4 3');
+    }
+    svg.append(main);
+    if (shown.length) {
+      drawn.push([label, shown]);
+    }
   }
-  return svg;
+  const readout = (at: number): string => {
+    if (!drawn.length) {
+      return '';
+    }
+    const step = x0 + (at * width - pad.left) * (x1 - x0) / (width - pad.left - pad.right);
+    const found = drawn.map(([label, curve]): [string, number[]] => [label, nearest(curve, step)]);
+    const value = (v: number) => fmt(log ? Number((10 ** v).toPrecision(4)) : v);
+    return `step ${found[0][1][0]}: ` + found.map(([label, p]) => `${label} ${value(p[1])}`).join(' · ');
+  };
+  return { svg, readout };
 }
 
 /** The status-bar item, e.g. `Scale: 2 workers · running 45%`. */
