@@ -130,8 +130,8 @@ class StatusLine:
     displays (JupyterLab, Notebook 7, VS Code: see wants_widget), printed line by line
     elsewhere (nbconvert, a terminal), where a line cannot change."""
 
-    def __init__(self, session: ScaleSession):
-        self._live = wants_widget(session)
+    def __init__(self, session: ScaleSession, live: bool = True):
+        self._live = live and wants_widget(session)
         self._handle = None
 
     def say(self, text: str) -> None:

@@ -217,7 +217,9 @@ class ScaleSession(LoggingConfigurable):
             raise ClusterError(f"a cluster of {self.size} workers is already running; "
                                "use %scale restart --workers N to change it")
         started = time.monotonic()
-        line = StatusLine(self)  # "starting ...", then "ready": one line where the frontend can update it
+        # "starting ...", then "ready": one line where the frontend can update it, but for a
+        # launcher that prints its own progress (a Slurm job pending) between the two.
+        line = StatusLine(self, live=(self._launch or (self.launcher, {}))[0] == "local" and launcher in (None, "local"))
         if self._warmed_up is not None and (self.connection is not None or self._warmed_up != self.backend_name):
             forkserver.close_all()  # what warm_up prepared for another engine, or for a cluster we start
             self._warmed_up = None
@@ -406,7 +408,8 @@ class ScaleSession(LoggingConfigurable):
         """New workers for the running cluster, whose controller or scheduler the engine keeps."""
         backend = self._require_backend()
         started = time.monotonic()
-        print(f"jupyter_scale: starting {n} new workers in the running {self.backend_name} cluster ...", flush=True)
+        line = StatusLine(self)
+        line.say(f"jupyter_scale: starting {n} new workers in the running {self.backend_name} cluster ...")
         self._dismiss_workers(backend)
         self._forget_workers()
         self._remove_store_dir()
@@ -420,7 +423,7 @@ class ScaleSession(LoggingConfigurable):
         except BaseException:
             self._shutdown()
             raise
-        self._welcome_workers(started)
+        self._welcome_workers(started, line)
 
     def launch_options(self) -> dict:
         """The launcher options the running (or last) cluster was started with."""

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 COMM_TARGET = "jupyter_scale"
 PUSH_INTERVAL = 0.25  # seconds between state messages while a cell runs
-SERIES_BUDGET, SERIES_LEAST = 600, 40  # chart points in a state message, in all and at least a curve
+SERIES_BUDGET, SERIES_LEAST = 600, 10  # chart points in a state message, in all and at least a curve
 
 
 # What the sidebar is sent. labextension/src/connection.ts declares the same shapes (its

@@ -172,3 +172,18 @@ def test_the_python_and_npm_packages_have_one_version():
 
     package = json.loads((ROOT / "labextension" / "package.json").read_text())
     assert package["version"] == jupyter_scale.__version__
+
+
+def test_a_state_stays_small_with_many_ranks_and_names():
+    # Every name's curves go in each state (the sidebar switches among them while the cell runs).
+    from jupyter_scale.widgets import DashboardFeed
+
+    feed = DashboardFeed(world_size=8)
+    for i in range(5000):
+        for r in range(8):
+            feed.add({"rank": r, "step": i, "time": 1.0 + i,
+                      **{name: 1.0 / (i + 1) + r for name in ("loss", "acc", "lr", "grad_norm", "tokens")}})
+    series = feed.all_series(budget=kernel_end.SERIES_BUDGET, least=kernel_end.SERIES_LEAST)
+    assert set(series) == {"loss", "acc", "lr", "grad_norm", "tokens"}
+    assert all(len(curve) >= kernel_end.SERIES_LEAST for curves in series.values() for curve in curves.values())
+    assert len(json.dumps(series)) < 15_000

@@ -15,12 +15,15 @@ function fmt(x) {
 
 // About `count` round ticks (1, 2 or 5 times a power of ten) covering [lo, hi].
 function ticks(lo, hi, count) {
-  if (!(hi > lo)) return [lo];
+  if (!(hi - lo > 1e-9 * Math.max(Math.abs(lo), Math.abs(hi), 1e-300))) return [lo];
   const raw = (hi - lo) / count, power = 10 ** Math.floor(Math.log10(raw));
   const gap = s => Math.abs(Math.log(s / raw));
   const step = [1, 2, 5, 10].map(m => m * power).reduce((a, b) => (gap(b) < gap(a) ? b : a));
   const out = [];
-  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(Number(t.toPrecision(12)));
+  // Counted in whole steps (a float added to itself can stop moving), at most 20 of them.
+  for (let i = Math.ceil(lo / step); i * step <= hi + step * 1e-9 && out.length < 20; i++) {
+    out.push(Number((i * step).toPrecision(12)));
+  }
   return out;
 }
 
@@ -47,6 +50,11 @@ function smooth(curve) {
   });
 }
 
+// A rank's colour is its own in every chart (the palette in turn by rank number); the mean is black.
+function color(name, colors) {
+  return name === "mean" ? "#000" : colors[Number(name) % colors.length];
+}
+
 function node(tag, attrs, text) {
   const el = document.createElementNS(SVG, tag);
   for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
@@ -58,8 +66,7 @@ function node(tag, attrs, text) {
 // hover read-out needs (the curves as drawn and the x scale), or null when there is nothing.
 function chart(svg, curves, metric, colors, opts) {
   svg.replaceChildren();
-  const color = (name, i) => (name === "mean" ? "#000" : colors[i % colors.length]);
-  let named = Object.entries(curves).map(([name, c], i) => [name, c, color(name, i)]);
+  let named = Object.entries(curves).map(([name, c]) => [name, c, color(name, colors)]);
   if (opts.log) named = named.map(([n, c, k]) => [n, c.filter(p => p[1] > 0).map(([s, v]) => [s, Math.log10(v)]), k]);
   const pts = named.flatMap(([, c]) => c);
   if (!pts.length) {
@@ -69,8 +76,10 @@ function chart(svg, curves, metric, colors, opts) {
   }
   const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) [y0, y1] = [y0 - 0.5, y1 + 0.5];
+  // A flat range (every rank reported the same value, a mean a rounding step off it) gets room.
+  const flat = (a, b) => !(b - a > 1e-9 * Math.max(Math.abs(a), Math.abs(b), 1e-300));
+  if (flat(x0, x1)) x1 = x0 + 1;
+  if (flat(y0, y1)) [y0, y1] = [y0 - Math.max(0.5, Math.abs(y0) * 0.1), y1 + Math.max(0.5, Math.abs(y1) * 0.1)];
   const x = s => PAD.left + (s - x0) * (W - PAD.left - PAD.right) / (x1 - x0);
   const y = v => H - PAD.bottom - (v - y0) * (H - PAD.top - PAD.bottom) / (y1 - y0);
   const axes = node("g", { class: "js-axes", "font-size": 10, fill: "currentColor" });
@@ -135,13 +144,14 @@ function render({ model, el }) {
     select.hidden = names.length < 2;
     const curves = series[chosen] || {};
     drawn = chart(q(".js-chart"), curves, chosen, model.get("colors"), { log: q(".js-log").checked, smooth: q(".js-smooth").checked });
+    showHover();
     const legend = q(".js-legend");
-    legend.replaceChildren(...Object.keys(curves).map((name, i) => {
+    legend.replaceChildren(...Object.keys(curves).map(name => {
       const item = document.createElement("span");
       item.className = "js-key";
       item.dataset.series = name === "mean" ? "mean" : `rank ${name}`;
       const swatch = document.createElement("i");
-      swatch.style.borderTopColor = name === "mean" ? "#000" : model.get("colors")[i % model.get("colors").length];
+      swatch.style.borderTopColor = color(name, model.get("colors"));
       if (name === "mean") swatch.style.borderTopStyle = "dashed";
       item.append(swatch, name === "mean" ? "mean of the ranks" : `rank ${name}`);
       return item;
@@ -151,20 +161,28 @@ function render({ model, el }) {
   q(".js-log").addEventListener("change", drawChart);
   q(".js-smooth").addEventListener("change", drawChart);
   const svg = q(".js-chart");
-  svg.addEventListener("mousemove", e => {
-    if (!drawn) return;
-    const box = svg.getBoundingClientRect();
-    const step = drawn.step((e.clientX - box.left) * W / box.width);
-    const parts = drawn.drawn.filter(([, c]) => c.length).map(([name, c]) => [name, nearest(c, step)]);
-    if (!parts.length) return;
-    const at = parts[0][1][0];
-    const value = v => fmt(drawn.log ? 10 ** v : v);
-    q(".js-readout").textContent = `step ${fmt(at)}: ` + parts.map(([name, p]) => `${name} ${value(p[1])}`).join(" · ");
+  let hoverAt = null; // where the mouse is, 0 to 1 across the chart: kept while pushes redraw it
+  const showHover = () => {
     svg.querySelector(".js-guide")?.remove();
+    const parts = drawn && hoverAt !== null ? drawn.drawn.filter(([, c]) => c.length) : [];
+    if (!parts.length) { q(".js-readout").innerHTML = "&nbsp;"; return; }
+    const step = drawn.step(hoverAt * W);
+    const found = parts.map(([name, c]) => [name, nearest(c, step)]);
+    const value = v => fmt(drawn.log ? 10 ** v : v);
+    const same = found.every(([, p]) => p[0] === found[0][1][0]);
+    q(".js-readout").textContent = same
+      ? `step ${fmt(found[0][1][0])}: ` + found.map(([name, p]) => `${name} ${value(p[1])}`).join(" · ")
+      : found.map(([name, p]) => `${name} ${value(p[1])} (step ${fmt(p[0])})`).join(" · ");
+    const at = nearest(parts[0][1], step)[0];
     svg.appendChild(node("line", { class: "js-guide", x1: drawn.x(at), x2: drawn.x(at), y1: PAD.top, y2: H - PAD.bottom,
       stroke: "#999", "stroke-dasharray": "2 2" }));
+  };
+  svg.addEventListener("mousemove", e => {
+    const box = svg.getBoundingClientRect();
+    hoverAt = (e.clientX - box.left) / box.width;
+    showHover();
   });
-  svg.addEventListener("mouseleave", () => { svg.querySelector(".js-guide")?.remove(); q(".js-readout").innerHTML = "&nbsp;"; });
+  svg.addEventListener("mouseleave", () => { hoverAt = null; showHover(); });
   const draw = () => {
     const state = model.get("state");
     q(".js-state").textContent = state;

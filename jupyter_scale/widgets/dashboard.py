@@ -10,6 +10,7 @@ ends, so the notebook stays readable when reopened without a kernel.
 from __future__ import annotations
 
 import html
+import math
 import pathlib
 import time
 
@@ -19,9 +20,9 @@ import traitlets
 MAX_POINTS = 400  # per curve on the chart; the full history stays in the kernel
 # What one push carries at most, over every curve of every metric (the frontend switches
 # metrics without asking the kernel, which does not answer while a cell runs): many ranks
-# or metrics get fewer points per curve, never fewer than MIN_POINTS.
+# or metrics get fewer points per curve (never fewer than MIN_POINTS).
 POINTS_PER_PUSH = 2400
-MIN_POINTS = 100
+MIN_POINTS = 20
 _META = ("rank", "step", "time", "epoch", "kind")
 
 
@@ -54,6 +55,10 @@ class DashboardFeed:
         self.started = time.monotonic()
         self.metrics: list[str] = []  # every reported name, in the order first seen
         self.curves: dict[str, dict[int, list[list[float]]]] = {}  # name -> rank -> [[step, value], ...]
+        self._means: dict[str, list[list[float]]] = {}  # name -> [[step, mean over the ranks], ...]
+        self._partial: dict[str, dict[float, list[float]]] = {}  # name -> step -> [sum, count] so far
+        self._unsorted: set[str] = set()  # names whose means came out of step order
+        self.not_finite = 0  # NaN or infinite values, left off the chart
         self.rows: dict[int, dict] = {r: {"rank": r, "state": "starting"} for r in range(world_size)}
         self.state, self.message, self.lost = "starting", "", 0
         self._rate_mark: dict[int, tuple[float, int]] = {}
@@ -83,14 +88,30 @@ class DashboardFeed:
             self._rates[rank] = (event["step"] - mark_step) / (now - mark_time)
             row["steps_per_s"] = round(self._rates[rank], 2)
             self._rate_mark[rank] = (now, event["step"])
+        step = event["step"]
         for name, value in event.items():
             if name in _META:
+                continue
+            if not math.isfinite(value):  # a chart cannot place it (history() keeps it)
+                self.not_finite += 1
                 continue
             curves = self.curves.get(name)
             if curves is None:
                 self.metrics.append(name)
                 curves = self.curves[name] = {r: [] for r in range(self.world_size)}
-            curves.setdefault(rank, []).append([event["step"], value])
+                self._means[name], self._partial[name] = [], {}
+            curves.setdefault(rank, []).append([step, value])
+            # The mean at each step, kept as the points arrive: a push must not go over every
+            # point of a long run (10 a second).
+            partial = self._partial[name].setdefault(step, [0.0, 0])
+            partial[0] += value
+            partial[1] += 1
+            if partial[1] == len(curves):
+                del self._partial[name][step]
+                means = self._means[name]
+                if means and means[-1][0] > step:
+                    self._unsorted.add(name)
+                means.append([step, partial[0] / partial[1]])
 
     @property
     def metric(self) -> str:
@@ -106,22 +127,25 @@ class DashboardFeed:
     def series(self, metric: str | None = None, limit: int = MAX_POINTS) -> dict:
         """One name's curves (default: the first reported): per rank, and the mean at the
         steps every rank reported."""
-        curves = self.curves.get(self.metric if metric is None else metric, {})
+        name = self.metric if metric is None else metric
+        curves = self.curves.get(name, {})
         out = {str(r): _downsample(c, limit) for r, c in sorted(curves.items()) if c}
-        by_step: dict[float, list[float]] = {}
-        for curve in curves.values():
-            for step, value in curve:
-                by_step.setdefault(step, []).append(value)
-        mean = [[s, sum(v) / len(v)] for s, v in sorted(by_step.items()) if len(v) == len(curves)]
-        if mean and len(curves) > 1:
-            out["mean"] = _downsample(mean, limit)
+        means = self._means.get(name, [])
+        if name in self._unsorted:
+            means.sort(key=lambda p: p[0])
+            self._unsorted.discard(name)
+        if means and len(curves) > 1:
+            out["mean"] = _downsample(means, limit)
         return out
 
     def all_series(self, budget: int = POINTS_PER_PUSH, least: int = MIN_POINTS) -> dict:
-        """Every name's curves, within `budget` points in all, never under `least` a curve."""
+        """Every name's curves, `budget` points in all (`least` a curve where there are more
+        curves than that allows), values to 6 significant digits: what one push carries."""
         count = sum(len(c) + (len(c) > 1) for c in self.curves.values())
         limit = max(least, min(MAX_POINTS, budget // max(count, 1)))
-        return {name: self.series(name, limit) for name in self.metrics}
+        return {name: {key: [[s, float(f"{v:.6g}")] for s, v in curve]
+                       for key, curve in self.series(name, limit).items()}
+                for name in self.metrics}
 
     def progress(self) -> dict:
         steps = [row.get("last_step", -1) + 1 for row in self.rows.values()]
@@ -167,18 +191,19 @@ def snapshot_html(feed: DashboardFeed) -> str:
         y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
         sx = (width - 2 * pad) / ((x1 - x0) or 1)
         sy = (height - 2 * pad) / ((y1 - y0) or 1)
-        for i, (name, curve) in enumerate(series.items()):
+        for name, curve in series.items():
             xy = " ".join(f"{pad + (s - x0) * sx:.1f},{height - pad - (v - y0) * sy:.1f}" for s, v in curve)
-            style = 'stroke="#000" stroke-dasharray="4 3"' if name == "mean" else f'stroke="{PALETTE[i % len(PALETTE)]}"'
+            style = ('stroke="#000" stroke-dasharray="4 3"' if name == "mean"
+                     else f'stroke="{PALETTE[int(name) % len(PALETTE)]}"')
             label = "mean" if name == "mean" else f"rank {name}"
             lines.append(f'<polyline data-series="{label}" fill="none" stroke-width="1.5" {style} points="{xy}"/>')
         lines.append(f'<text x="{pad}" y="14" font-size="11">{html.escape(feed.metric)} '
                      f'({y0:.4g} to {y1:.4g}), steps {x0:g} to {x1:g}</text>')
     legend = " ".join(
         f'<span data-series="{"mean" if name == "mean" else f"rank {name}"}" style="color:'
-        f'{"#000" if name == "mean" else PALETTE[i % len(PALETTE)]}">'
+        f'{"#000" if name == "mean" else PALETTE[int(name) % len(PALETTE)]}">'
         f'{"- - mean of the ranks" if name == "mean" else f"&mdash; rank {name}"}</span>'
-        for i, name in enumerate(series))
+        for name in series)
     progress = feed.progress()
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(row.get(k, '')))}</td>"

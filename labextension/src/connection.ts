@@ -158,6 +158,7 @@ export class ScaleConnection {
 
   private _onKernel(): void {
     this._detach(this._panel ? 'no-kernel' : 'no-notebook');
+    this._retry = false;
     const kernel = this._panel?.sessionContext.session?.kernel;
     if (!kernel) {
       return;
@@ -187,6 +188,9 @@ export class ScaleConnection {
   }
 
   private _open(kernel: Kernel.IKernelConnection): void {
+    if (this._comm && !this._comm.isDisposed && this._link !== 'attached') {
+      return; // one is being opened: its state, or its close, answers
+    }
     const comm = kernel.createComm(COMM_TARGET);
     this._adopt(comm);
     comm.open({}).done.catch(() => undefined);

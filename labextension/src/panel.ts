@@ -37,10 +37,24 @@ export class ScalePanel extends Widget {
     this.title.icon = scaleIcon;
     this.title.caption = 'Scale: distributed training cluster';
     _connection.changed.connect(this._render, this);
+    // A state that came while the user was choosing (a menu open, a number being typed) is
+    // shown when they are done: redrawing would close the menu or drop the typing.
+    this.node.addEventListener('focusout', () => {
+      if (this._deferred) {
+        setTimeout(() => this._render());
+      }
+    });
     this._render();
   }
 
   private _render(): void {
+    const active = document.activeElement;
+    if ((active instanceof HTMLSelectElement || (active instanceof HTMLInputElement && active.type !== 'checkbox')) &&
+        this.node.contains(active)) {
+      this._deferred = true;
+      return;
+    }
+    this._deferred = false;
     const c = this._connection;
     const body: Node[] = [el('h2', { class: 'jp-ScalePanel-title' }, 'Scale')];
     if (c.link === 'no-notebook') {
@@ -161,10 +175,8 @@ export class ScalePanel extends Widget {
 
   private _chart(job: IJob): HTMLElement {
     const names = job.metrics ?? [job.metric];
-    if (!names.includes(this._metric)) {
-      this._metric = job.metric;
-    }
-    const metric = this._metric;
+    // The user's choice while the job has it (a new run may not have reported it yet).
+    const metric = names.includes(this._metric) ? this._metric : job.metric;
     const controls = el('div', { class: 'jp-ScalePanel-chartControls' });
     if (names.length > 1) {
       const select = el('select', { class: 'jp-ScalePanel-metric', 'aria-label': 'metric' },
@@ -172,6 +184,7 @@ export class ScalePanel extends Widget {
       select.value = metric;
       select.onchange = () => {
         this._metric = select.value;
+        select.blur();
         this._render();
       };
       controls.append(select);
@@ -192,11 +205,12 @@ export class ScalePanel extends Widget {
     controls.append(el('label', {}, smooth, ' smooth'));
     const curves = job.series[metric] ?? {};
     const colors = job.colors ?? []; // an older kernel sends none
-    const color = (name: string, i: number) =>
-      name === 'mean' ? 'var(--jp-ui-font-color1)' : colors.length ? colors[i % colors.length] : 'var(--jp-ui-font-color2)';
+    // A rank's colour is its own in every chart (the palette in turn by rank number).
+    const color = (name: string) =>
+      name === 'mean' ? 'var(--jp-ui-font-color1)' : colors.length ? colors[Number(name) % colors.length] : 'var(--jp-ui-font-color2)';
     const legend = el('div', { class: 'jp-ScalePanel-legend' },
-      ...Object.keys(curves).map((name, i) => {
-        const swatch = el('i', { style: `border-top: 2px ${name === 'mean' ? 'dashed' : 'solid'} ${color(name, i)}` });
+      ...Object.keys(curves).map(name => {
+        const swatch = el('i', { style: `border-top: 2px ${name === 'mean' ? 'dashed' : 'solid'} ${color(name)}` });
         return el('span', { class: 'jp-ScalePanel-key', 'data-series': name === 'mean' ? 'mean' : `rank ${name}` },
           swatch, name === 'mean' ? 'mean' : `rank ${name}`);
       }));
@@ -220,7 +234,8 @@ export class ScalePanel extends Widget {
     return el('div', {}, controls, chart.svg, legend, readout);
   }
 
-  private _metric = ''; // the metric the chart shows (kept across states)
+  private _metric = ''; // the metric the user chose (kept across states and runs)
+  private _deferred = false; // a state came while the user was choosing
   private _log = false;
   private _smooth = false;
   private _hover: number | null = null; // where the mouse is over the chart, 0 to 1 across
@@ -228,17 +243,23 @@ export class ScalePanel extends Widget {
 
 // About `count` round ticks (1, 2 or 5 times a power of ten) covering [lo, hi].
 function ticks(lo: number, hi: number, count: number): number[] {
-  if (!(hi > lo)) {
+  if (flat(lo, hi)) {
     return [lo];
   }
   const raw = (hi - lo) / count, power = 10 ** Math.floor(Math.log10(raw));
   const gap = (s: number) => Math.abs(Math.log(s / raw));
   const step = [1, 2, 5, 10].map(m => m * power).reduce((a, b) => (gap(b) < gap(a) ? b : a));
   const out: number[] = [];
-  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) {
-    out.push(Number(t.toPrecision(12)));
+  // Counted in whole steps (a float added to itself can stop moving), at most 20 of them.
+  for (let i = Math.ceil(lo / step); i * step <= hi + step * 1e-9 && out.length < 20; i++) {
+    out.push(Number((i * step).toPrecision(12)));
   }
   return out;
+}
+
+// Equal but for rounding (every rank reported the same value; their mean a rounding step off).
+function flat(a: number, b: number): boolean {
+  return !(b - a > 1e-9 * Math.max(Math.abs(a), Math.abs(b), 1e-300));
 }
 
 // Ticks of a log axis over [lo, hi] (log10 units): powers of ten, with 2 and 5 between them
@@ -291,7 +312,7 @@ interface IPlot {
 
 /** The curves of `metric` with axes: steps across, values (or their log) up. */
 function plot(curves: { [name: string]: number[][] }, metric: string, opts: { log: boolean; smooth: boolean },
-  color: (name: string, i: number) => string): IPlot {
+  color: (name: string) => string): IPlot {
   const ns = 'http://www.w3.org/2000/svg';
   const [width, height] = [260, 130];
   const pad = { left: 40, right: 6, top: 6, bottom: 26 };
@@ -307,19 +328,19 @@ function plot(curves: { [name: string]: number[][] }, metric: string, opts: { lo
     return n;
   };
   const svg = node('svg', { class: 'jp-ScalePanel-chart', viewBox: `0 0 ${width} ${height}` }) as SVGElement;
-  const named = Object.entries(curves).map(([name, curve], i): [string, number[][], string] => [
-    name, log ? curve.filter(p => p[1] > 0).map(([s, v]) => [s, Math.log10(v)]) : curve, color(name, i)]);
+  const named = Object.entries(curves).map(([name, curve]): [string, number[][], string] => [
+    name, log ? curve.filter(p => p[1] > 0).map(([s, v]) => [s, Math.log10(v)]) : curve, color(name)]);
   const points = named.flatMap(([, curve]) => curve);
   if (!points.length) {
     return { svg, readout: () => '' };
   }
   const xs = points.map(q => q[0]), ys = points.map(q => q[1]);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  if (x1 === x0) {
+  if (flat(x0, x1)) {
     x1 = x0 + 1;
   }
-  if (y1 === y0) {
-    [y0, y1] = [y0 - 0.5, y1 + 0.5];
+  if (flat(y0, y1)) {
+    [y0, y1] = [y0 - Math.max(0.5, Math.abs(y0) * 0.1), y1 + Math.max(0.5, Math.abs(y1) * 0.1)];
   }
   const x = (s: number) => pad.left + (s - x0) * (width - pad.left - pad.right) / (x1 - x0);
   const y = (v: number) => height - pad.bottom - (v - y0) * (height - pad.top - pad.bottom) / (y1 - y0);
