@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import README_DATA, README_LOOP, SETUP, wait_gone
+from conftest import README_DATA, README_LOOP, SETUP, _stop_and_check
 from kernel import Kernel
 
 pytest.importorskip("tensorboard")
@@ -30,10 +30,7 @@ def kernel():
         k.ok(SETUP + README_DATA, history=True)
         yield k
     finally:
-        k.cell("%scale stop", timeout=120)
-        leftovers = k.descendants()
-        k.shutdown()
-        assert wait_gone(leftovers) == [], "the kernel left processes behind"
+        _stop_and_check(k)
 
 
 def history(kernel) -> dict[tuple[int, int], float]:

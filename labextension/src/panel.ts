@@ -189,20 +189,18 @@ export class ScalePanel extends Widget {
       };
       controls.append(select);
     }
-    const log = el('input', { type: 'checkbox', class: 'jp-ScalePanel-log' });
-    log.checked = this._log;
-    log.onchange = () => {
-      this._log = log.checked;
-      this._render();
+    const toggle = (cls: string, label: string, on: boolean, set: (on: boolean) => void) => {
+      const box = el('input', { type: 'checkbox', class: cls });
+      box.checked = on;
+      box.onchange = () => {
+        set(box.checked);
+        this._render();
+      };
+      return el('label', {}, box, ` ${label}`);
     };
-    controls.append(el('label', {}, log, ' log scale'));
-    const smooth = el('input', { type: 'checkbox', class: 'jp-ScalePanel-smooth' });
-    smooth.checked = this._smooth;
-    smooth.onchange = () => {
-      this._smooth = smooth.checked;
-      this._render();
-    };
-    controls.append(el('label', {}, smooth, ' smooth'));
+    controls.append(
+      toggle('jp-ScalePanel-log', 'log scale', this._log, on => (this._log = on)),
+      toggle('jp-ScalePanel-smooth', 'smooth', this._smooth, on => (this._smooth = on)));
     const curves = job.series[metric] ?? {};
     const colors = job.colors ?? []; // an older kernel sends none
     // A rank's colour is its own in every chart (the palette in turn by rank number).
