@@ -528,10 +528,13 @@ def forget_group_in_defaults() -> None:
         if module is None or not name.startswith("torch.distributed"):
             continue
         for value in list(vars(module).values()):
-            if isinstance(value, type) and value.__module__ == name:
-                functions = [f for f in vars(value).values() if isinstance(f, types.FunctionType)]
+            # type(), not isinstance(): that reads __class__, which some of torch's
+            # deprecated module attributes warn about (torch.distributed.reduce_op).
+            kind = type(value)
+            if issubclass(kind, type) and getattr(value, "__module__", None) == name:
+                functions = [f for f in vars(value).values() if type(f) is types.FunctionType]
             else:
-                functions = [value] if isinstance(value, types.FunctionType) else []
+                functions = [value] if kind is types.FunctionType else []
             for function in functions:
                 if function.__defaults__ and any(d is group for d in function.__defaults__):
                     function.__defaults__ = tuple(None if d is group else d for d in function.__defaults__)
