@@ -217,15 +217,13 @@ class ScaleSession(LoggingConfigurable):
             raise ClusterError(f"a cluster of {self.size} workers is already running; "
                                "use %scale restart --workers N to change it")
         started = time.monotonic()
-        # "starting ...", then "ready": one line where the frontend can update it, but for a
-        # launcher that prints its own progress (a Slurm job pending) between the two.
-        line = StatusLine(self, live=(self._launch or (self.launcher, {}))[0] == "local" and launcher in (None, "local"))
         if self._warmed_up is not None and (self.connection is not None or self._warmed_up != self.backend_name):
             forkserver.close_all()  # what warm_up prepared for another engine, or for a cluster we start
             self._warmed_up = None
         if self.connection is not None:
             name, where = self.connection
             backend = create_backend(name, parent=self)
+            line = StatusLine(self)  # "connecting ...", then "ready": one line where the frontend can update it
             line.say(f"jupyter_scale: connecting to the {name} cluster at {_where(where)} ...")
             backend.connect(workers, timeout=self.start_timeout, **where)
         else:
@@ -237,6 +235,8 @@ class ScaleSession(LoggingConfigurable):
             name, options = self._launch or (self.launcher, {})
             placement = launchers.create_launcher(name, parent=self, **options)
             backend = create_backend(self.backend_name, parent=self)
+            # Printed lines where the launcher prints its own progress between the two (a Slurm job pending).
+            line = StatusLine(self, live=placement.name == "local")
             if placement.name == "local":
                 line.say(f"jupyter_scale: starting a local {self.backend_name} cluster of {n} workers on 127.0.0.1 ...")
             else:
@@ -961,10 +961,11 @@ class ScaleSession(LoggingConfigurable):
                code: str) -> sinks.RunSinks | None:
         if not targets:
             return None
-        notebook = os.environ.get("JPY_SESSION_NAME") or str(self.namespace.get("__session__") or "") or None
+        path = os.environ.get("JPY_SESSION_NAME") or str(self.namespace.get("__session__") or "")
+        notebook = Path(path).stem if path else "notebook"
         name = sinks.run_name(notebook, cell, len(self.runs) + 1, started)
-        details = {"notebook": Path(notebook).stem if notebook else "notebook", "engine": self.backend_name,
-                   "cell": str(cell) if cell is not None else "", "code": code}
+        details = {"notebook": notebook, "engine": self.backend_name, "cell": str(cell) if cell is not None else "",
+                   "code": code}
         try:
             return sinks.RunSinks(targets, mode, name, details)
         except sinks.SinkError as exc:

@@ -39,14 +39,6 @@ class SinkError(ValueError):
     """A --log-to target that cannot be used; the message is one line for the user."""
 
 
-def check(specs: list[str], mode: str) -> None:
-    """Refuse what cannot work before the cell runs (names, packages)."""
-    if mode not in MODES:
-        raise SinkError(f"--log-as {mode!r}: choose {' or '.join(MODES)}")
-    for spec in specs:
-        _target(spec)
-
-
 def _target(spec: str) -> tuple[str, str]:
     name, _, where = spec.partition(":")
     if name not in TARGETS:
@@ -65,24 +57,22 @@ def _target(spec: str) -> tuple[str, str]:
     return name, where
 
 
-def run_name(notebook: str | None, cell: int | None, index: int, started: float) -> str:
+def run_name(notebook: str, cell: int | None, index: int, started: float) -> str:
     """`<notebook>-cell<In [n]>-<when>`: what a team finds the run by."""
-    stem = Path(notebook).stem if notebook else "notebook"
     which = f"cell{cell}" if cell is not None else f"run{index}"
-    return f"{stem}-{which}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}"
+    return f"{notebook}-{which}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}"
 
 
 class RunSinks:
     """One run's sinks: a session observer from run_started to run_finished."""
 
     def __init__(self, specs: list[str], mode: str, name: str, details: dict[str, str]):
-        check(specs, mode)
+        if mode not in MODES:
+            raise SinkError(f"--log-as {mode!r}: choose {' or '.join(MODES)}")
+        targets = [_target(spec) for spec in specs]  # every one checked before any store opens
         self.mode, self.name, self.details = mode, name, details
-        self.sinks: list[Any] = []
-        for spec in specs:
-            target, where = _target(spec)
-            self.sinks.append(_TensorBoard(where or "runs", name) if target == "tensorboard"
-                              else _MLflow(where or None, name, details))
+        self.sinks: list[Any] = [_TensorBoard(where or "runs", name) if target == "tensorboard"
+                                 else _MLflow(where or None, name, details) for target, where in targets]
         self.workers = 0
         # --log-as mean: (step, name) -> rank -> [sum, count, latest time], written once every
         # rank has reported a later step (a rank may report one step many times: step=epoch).

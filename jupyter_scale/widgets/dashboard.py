@@ -9,6 +9,7 @@ ends, so the notebook stays readable when reopened without a kernel.
 
 from __future__ import annotations
 
+import bisect
 import html
 import math
 import pathlib
@@ -57,7 +58,6 @@ class DashboardFeed:
         self.curves: dict[str, dict[int, list[list[float]]]] = {}  # name -> rank -> [[step, value], ...]
         self._means: dict[str, list[list[float]]] = {}  # name -> [[step, mean over the ranks], ...]
         self._partial: dict[str, dict[float, list[float]]] = {}  # name -> step -> [sum, count] so far
-        self._unsorted: set[str] = set()  # names whose means came out of step order
         self.not_finite = 0  # NaN or infinite values, left off the chart
         self.rows: dict[int, dict] = {r: {"rank": r, "state": "starting"} for r in range(world_size)}
         self.state, self.message, self.lost = "starting", "", 0
@@ -108,10 +108,11 @@ class DashboardFeed:
             partial[1] += 1
             if partial[1] == len(curves):
                 del self._partial[name][step]
-                means = self._means[name]
-                if means and means[-1][0] > step:
-                    self._unsorted.add(name)
-                means.append([step, partial[0] / partial[1]])
+                means, mean = self._means[name], [step, partial[0] / partial[1]]
+                if means and means[-1][0] > step:  # completed out of step order (rare): put in place
+                    bisect.insort(means, mean)
+                else:
+                    means.append(mean)
 
     @property
     def metric(self) -> str:
@@ -131,9 +132,6 @@ class DashboardFeed:
         curves = self.curves.get(name, {})
         out = {str(r): _downsample(c, limit) for r, c in sorted(curves.items()) if c}
         means = self._means.get(name, [])
-        if name in self._unsorted:
-            means.sort(key=lambda p: p[0])
-            self._unsorted.discard(name)
         if means and len(curves) > 1:
             out["mean"] = _downsample(means, limit)
         return out
