@@ -484,6 +484,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     # freed, and the notebook's later changes reach the shards.
     sharding = (training.Sharding(_state.namespace, request["shard"], _state.receiver.replace)
                 if request.get("auto") and request.get("shard") is not None else nullcontext())
+    if _state.device.type == "cuda":  # the current device is the thread's: the call's may be new
+        torch.cuda.set_device(_state.device)
     _gate_sigint()  # the engine restores its own handler once it has sent the reply
     _state.cell_run = request.get("run", "")
     sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)

@@ -228,6 +228,12 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         """Ranks whose worker process is known to be gone."""
         return []
 
+    def channel_server(self) -> Callable[..., int] | None:
+        """A worker-side function, `fn(directory, identity, rank) -> pid`, that serves the
+        kernel's direct channel (channel.serve) where this engine runs its calls; None
+        where the engine has no way to. The session uses it for workers on its host."""
+        return None
+
     # Whether exit_code can tell how a worker ended (Ray reaps its workers and cannot).
     knows_exit_codes: bool = True
 

@@ -35,7 +35,7 @@ from distributed.core import Status
 from distributed.security import Security
 from traitlets import Bool
 
-from .. import capture, forkserver, metrics, worker
+from .. import capture, channel, forkserver, metrics, worker
 from ..errors import ClusterError
 from ..launchers import Launcher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
@@ -145,6 +145,12 @@ def dask_setup(dask_worker) -> None:
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+
+
+def _serve_channel(directory: str, identity: bytes, rank: int) -> int:
+    """Calls over the kernel's channel run in a thread of the channel's, as Dask's own run in
+    a thread of the worker's (interrupted alike, by worker.interrupt_cell)."""
+    return channel.serve(directory, identity, rank)
 
 
 async def _interrupt(run: str | None = None) -> bool:
@@ -766,6 +772,9 @@ class DaskBackend(Backend):
             payload = client.scatter(payload, workers=[self._addresses[ranks[0]]], hash=False)
             held.append(payload)
         return self._new_job(fn, {r: (head, payload) for r in ranks}, held)
+
+    def channel_server(self) -> Callable[..., int] | None:
+        return _serve_channel
 
     def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
         self._require_client()

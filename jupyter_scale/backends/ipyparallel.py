@@ -23,7 +23,7 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import Bool, Dict, Float, List, Unicode
 
-from .. import forkserver, metrics
+from .. import channel, forkserver, metrics
 from ..errors import ClusterError
 from ..launchers import Launcher, MPILauncher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
@@ -346,6 +346,14 @@ class _IOPubTransport:
 
 
 metrics.register_transport(IOPUB_SCHEME, _IOPubTransport)
+
+
+def _serve_channel(directory: str, identity: bytes, rank: int) -> int:
+    """Calls over the kernel's channel run in the engine's event loop: its main thread, where
+    its own calls run, so that SIGINT interrupts them alike."""
+    from IPython import get_ipython
+
+    return channel.serve(directory, identity, rank, loop=get_ipython().kernel.io_loop)
 
 
 def _call(fn: Callable, *args: Any) -> Any:
@@ -808,6 +816,9 @@ class IPyParallelBackend(Backend):
             return []
         registered = set(self._client.ids)
         return [rank for rank, eid in enumerate(self._engine_ids) if eid not in registered or self._exited(eid)]
+
+    def channel_server(self) -> Callable[..., int] | None:
+        return _serve_channel
 
     def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
         client = self._require_client()
