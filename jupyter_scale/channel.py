@@ -22,7 +22,6 @@ thread of its own (Dask, whose tasks run in a thread too).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -158,12 +157,16 @@ class CellChannel:
             return
         for _ in range(10_000):  # whatever is there now, not what keeps coming
             got = False
-            with contextlib.suppress(zmq.Again):
-                self._take_call(self._calls.recv_multipart(zmq.NOBLOCK, copy=False))
+            for socket, take in ((self._calls, self._take_call), (self._out, self._take_out)):
+                try:
+                    parts = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
                 got = True
-            with contextlib.suppress(zmq.Again):
-                self._take_out(self._out.recv_multipart(zmq.NOBLOCK, copy=False))
-                got = True
+                try:
+                    take(parts)
+                except Exception:  # only our processes reach these sockets; still, the reader lives on
+                    log.warning("the channel dropped a message it could not read", exc_info=True)
             if not got:
                 break
 
@@ -183,7 +186,7 @@ class CellChannel:
     def _take_out(self, parts: list) -> None:
         kind = parts[0].bytes
         if kind == _EVENTS and self._events is not None:
-            self._events.accept(parts[1].bytes.decode())
+            self._events.accept(parts[1].bytes)  # checks and counts what it cannot take
         elif kind == _OUTPUT:
             message = pickle.loads(parts[1].buffer)
             job = self._jobs.get(message.get("job"))
@@ -342,8 +345,8 @@ class _EventTransport:
             raise RuntimeError(f"this worker's end of {address} is closed")
         self._end = _worker_end
 
-    def send(self, message: str) -> bool:
-        self._end.send_out(_EVENTS, message.encode())
+    def send(self, message: str | bytes) -> bool:
+        self._end.send_out(_EVENTS, message.encode() if isinstance(message, str) else message)
         return True
 
     def close(self) -> None:

@@ -405,6 +405,8 @@ def format_status(info: dict) -> str:
         for job in info.get("jobs", []):
             text += f"\n  Slurm job {job['job']}: {job['state']}" + (f" on {job['nodes']}" if job.get("nodes") else "") + (
                 f" ({job['reason']})" if job.get("reason") not in (None, "", "None") else "")
+        if info.get("cells_through"):
+            text += f"\n  cells go over: {info['cells_through']}"
         if info.get("scheduler"):
             text += f"\n  scheduler {info['scheduler']}" + (
                 f", dashboard {info['dashboard']}" if info.get("dashboard") else "")

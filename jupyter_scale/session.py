@@ -477,6 +477,9 @@ class ScaleSession(LoggingConfigurable):
         if self.running:
             info.update(self.backend.describe())
             info["group"] = dict(self.group, ready=self._group_ready)
+            if self._group_ready:
+                info["cells_through"] = ("the kernel's direct channel" if self._channel is not None
+                                         else f"the {self.backend_name} engine")
             info["lost"] = list(self._lost_workers)
             info["ranks"] = [dict(rank=r, **w) for r, w in enumerate(self.workers)]
         if self.runs:
@@ -723,7 +726,7 @@ class ScaleSession(LoggingConfigurable):
             "keep_sharded": keep_sharded,
             "auto": not manual,
             "shard": None if shard is False or shard is None else dict(shard) if isinstance(shard, dict) else {},
-            "events": self._channel.events_address if self._channel is not None else events.address,
+            "events": self.events_address,
             # Signs the workers' batches: the event port is open to every local user, the
             # engine's channel that carries this request is not.
             "events_key": events.key,
@@ -1016,6 +1019,11 @@ class ScaleSession(LoggingConfigurable):
             raise DistributeError(str(exc)) from None
         except Exception as exc:  # the tracking store itself: a bad URI, a server that does not answer
             raise DistributeError(f"--log-to: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+
+    @property
+    def events_address(self) -> str:
+        """Where the workers send the next cell's events (output too, over the direct channel)."""
+        return self._channel.events_address if self._channel is not None else self._event_stream().address
 
     def _event_stream(self) -> metrics.EventQueue:
         if self.events is None:

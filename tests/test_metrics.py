@@ -353,6 +353,11 @@ if rank == 0:  # a process on the cluster without the key sends what it likes
         channel = _IOPubTransport(events_address)
         for m in rogue_messages:
             channel.send(m)
+    elif events_address.startswith("channel://"):  # the kernel's direct channel to the workers on its host
+        from jupyter_scale.channel import _EventTransport
+        channel = _EventTransport(events_address)
+        for m in rogue_messages:
+            channel.send(m)
     elif events_address.startswith("ray-outbox://"):  # Ray: the actor's outbox, which the kernel reads
         from jupyter_scale.backends.ray import _OutboxTransport
         channel = _OutboxTransport(events_address)
@@ -391,7 +396,8 @@ def test_history_holds_exactly_the_ranks_points_whatever_else_arrives(kernel, tm
              # Signed as rank 0 of the first cell did, arriving in the second: late.
              _sign(events["key"], dict(forged, events=[_point(loss=-1000.0)]))]
     marks = str(tmp_path / uuid.uuid4().hex)
-    kernel.ok(f"rogue_messages, events_address, marks = {rogue!r}, {events['address']!r}, {marks!r}")
+    address = kernel.value("jupyter_scale.get_session().events_address")  # what the cells send to
+    kernel.ok(f"rogue_messages, events_address, marks = {rogue!r}, {address!r}, {marks!r}")
     flooded = events["address"].startswith("tcp://")  # the engines' channels have no port to flood
     strangers = _flood_as_stranger(events["address"]) if flooded else 0  # between cells
     results = []
