@@ -239,6 +239,7 @@ def accelerate_cells(steps: int, warm: int) -> list[str]:
 
 
 def warm_cells(flags: str) -> list[str]:
+    dask = "dask" in flags
     return [
         TIMING,
         f"%%distribute --workers 2 {flags}\nx = 1",  # starts the cluster
@@ -246,11 +247,27 @@ def warm_cells(flags: str) -> list[str]:
         f"""
 ours = lambda: ip.run_cell_magic('distribute', '--workers 2', 'x = 1')
 px = lambda: ip.run_cell_magic('px', '', 'x = 1')
-timed(ours, {WARM_UPS}), timed(px, {WARM_UPS})
-times = {{'ours': [], 'px': []}}
+runs = {{'ours': ours, 'px': px}}
+if {dask}:  # Dask's own round trip: one pinned no-op task per worker, gathered
+    client = session.backend.client
+    addresses = [session.backend.address_of(r) for r in range(2)]
+    def noop():
+        return None
+    runs['bare'] = lambda: client.gather([client.submit(noop, workers=[a], allow_other_workers=False, pure=False)
+                                          for a in addresses])
+for run in runs.values():
+    timed(run, {WARM_UPS})
+times = {{name: [] for name in runs}}
 for _ in range({WARM_CELLS // WARM_CHUNK}):
-    times['ours'] += timed(ours, {WARM_CHUNK})
-    times['px'] += timed(px, {WARM_CHUNK})
+    for name, run in runs.items():
+        times[name] += timed(run, {WARM_CHUNK})
+# The same cells through the engine (the path before the direct channel), same cluster size.
+session.direct_channel = False
+ip.run_line_magic('scale', 'restart')
+timed(ours, {WARM_UPS})
+times['engine'] = []
+for _ in range({WARM_CELLS // WARM_CHUNK}):
+    times['engine'] += timed(ours, {WARM_CHUNK})
 print('BENCH ' + json.dumps(times))
 """,
     ]
@@ -284,10 +301,12 @@ def recovery_cells(flags: str, rounds: int) -> list[str]:
 
 
 REPORT_LOOP = """
-import threading, psutil
+import threading
 def sender_cpu():  # CPU seconds of the thread that batches and sends reported points
-    ids = {{t.native_id for t in threading.enumerate() if t.name == 'jupyter_scale-events'}}
-    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in ids)
+    # Its own CPU clock (nanoseconds): /proc's per-thread times count 10 ms ticks, more
+    # than the whole thread spends in a run of this length.
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threading.enumerate()
+               if t.name == 'jupyter_scale-events')
 loader = DataLoader(data, batch_size=64, shuffle=True)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 done, t0, in_report = 0, None, 0.0
@@ -638,16 +657,21 @@ def section_warm(args) -> dict:
             _, text = run_cells(warm_cells(flags))
             times = bench_record(text)
             raw[engine].append(times)
-            progress(f"warm round {i + 1} {engine}: ours {1e3 * median(times['ours']):.2f} ms, "
-                     f"%%px {1e3 * median(times['px']):.2f} ms")
+            progress(f"warm round {i + 1} {engine}: " + ", ".join(f"{name} {1e3 * median(t):.2f} ms"
+                                                                   for name, t in times.items()))
     # Medians over every timed cell of every round.
-    medians = {e: {k: 1e3 * median(t for r in raw[e] for t in r[k]) for k in ("ours", "px")} for e in engines}
+    medians = {e: {k: 1e3 * median(t for r in raw[e] for t in r[k]) for k in raw[e][0]} for e in engines}
     for m in medians.values():
         m["ratio"] = ratio(m["ours"], m["px"])
+        m["engine_ratio"] = ratio(m["engine"], m["px"])
+        if "bare" in m:
+            m["bare_ratio"] = ratio(m["ours"], m["bare"])
     print_table(f"warm: a trivial cell `x = 1` on a warm 2-worker cluster (median of {WARM_CELLS} x "
-                f"{args.repeat} runs; target ratio <= 1.5)",
-                ["engine", "`%%distribute` (ms)", "hand-rolled `%%px` (ms)", "ratio"],
-                [[e, m["ours"], m["px"], m["ratio"]] for e, m in medians.items()])
+                f"{args.repeat} runs; target ratio <= 1.0)",
+                ["engine", "`%%distribute` (ms)", "hand-rolled `%%px` (ms)", "ratio",
+                 "Dask submit+gather (ms)", "ratio", "through the engine (ms)", "x `%%px`"],
+                [[e, m["ours"], m["px"], m["ratio"], m.get("bare", "-"), m.get("bare_ratio", "-"), m["engine"],
+                  m["engine_ratio"]] for e, m in medians.items()])
     return {"unit": "s (raw), ms (median)", "raw": raw, "median": medians}
 
 
@@ -827,6 +851,11 @@ def main() -> None:
         results[section + "_seconds"] = round(time.monotonic() - started, 1)
         progress(f"section {section} took {time.monotonic() - started:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    # A run of some sections replaces those in the file and keeps the others (each section
+    # says when it ran).
+    kept = json.loads(args.out.read_text()) if args.out.exists() and set(sections) != set(SECTIONS) else {}
+    dates = {**kept.get("section_dates", {}), **{s: results["meta"]["date"] for s in sections}}
+    results = {**kept, **results, "section_dates": dates}
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nraw results and medians: {args.out}")
     if any(s in results and "error" not in results[s] for s in ("tools", "scaling")):

@@ -153,7 +153,10 @@ class CellChannel:
     # -- reading -----------------------------------------------------------------------------
     def poll(self, timeout: float) -> None:
         """Wait up to `timeout` s for anything from the workers; hand out all that came."""
-        if self.closed or not self._poller.poll(max(0, int(timeout * 1000))):
+        if self.closed:  # a wait on a closed channel still waits: its caller loops on it
+            time.sleep(timeout)
+            return
+        if not self._poller.poll(max(0, int(timeout * 1000))):
             return
         for _ in range(10_000):  # whatever is there now, not what keeps coming
             got = False

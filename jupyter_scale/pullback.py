@@ -18,6 +18,7 @@ from . import shipping, worker
 from .backends import Backend, Job
 
 if TYPE_CHECKING:
+    from .channel import CellChannel
     from .protocol import CellReply
     from .run import RunRecord
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 class Puller:
     namespace: dict  # the notebook's
     shipper: shipping.Shipper
-    backend: Backend
+    calls: Backend | CellChannel  # what carries the chunks' calls
     chunk_bytes: int  # a sharded model comes back in chunks of whole tensors of at most this
     timeout: float  # for each chunk's answer
     abandon: Callable[[Job], None]  # stops a chunk's job that failed; the group is then formed anew
@@ -112,7 +113,7 @@ class Puller:
             size += nbytes
         written = 0
         for keys in chunks:
-            job = self.backend.submit(worker.whole_tensors, name, keys)
+            job = self.calls.submit(worker.whole_tensors, name, keys)
             try:
                 answers = job.wait(self.timeout)
             except BaseException as exc:

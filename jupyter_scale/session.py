@@ -1067,7 +1067,7 @@ class ScaleSession(LoggingConfigurable):
             log.debug("abort request through the store failed", exc_info=True)
 
     def _apply_pulls(self, header: CellReply, frames: Sequence, record: RunRecord) -> None:
-        pullback.Puller(self.namespace, self.shipper, self.backend, self.pull_chunk_bytes, self.start_timeout,
+        pullback.Puller(self.namespace, self.shipper, self._calls(), self.pull_chunk_bytes, self.start_timeout,
                         self._abandon_pull).apply(header, frames, record)
 
     def _abandon_pull(self, job: Job) -> None:
@@ -1077,7 +1077,7 @@ class ScaleSession(LoggingConfigurable):
 
     def gather(self, name: str) -> list:
         """Every rank's value of worker variable `name`, in rank order."""
-        job = self._require_backend().submit(worker.gather_value, name)
+        job = self._calls().submit(worker.gather_value, name)
         try:
             answers = job.wait(self.start_timeout)
         finally:
