@@ -16,16 +16,49 @@ import pytest
 from conftest import ENGINES, wait_gone
 from jupyter_scale import worker
 from jupyter_scale.backends import WorkerCallFailed, WorkerLost, create_backend
+from jupyter_scale.channel import CellChannel
 
 
-@pytest.fixture(params=ENGINES)
+class OverTheChannel:
+    """A started engine whose calls take the kernel's direct channel, as a session on the
+    workers' machine sends them (see jupyter_scale/channel.py): held to the same rules."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._open()
+
+    def _open(self):
+        self.channel = CellChannel(self.backend.size, self.backend.dead_ranks, None)
+        self.backend.submit_each(self.backend.channel_server(), self.channel.worker_arguments()).wait(60)
+        assert self.channel.await_workers(30), "the workers never answered on the channel"
+
+    def submit(self, fn, *args, ranks=None):
+        return self.channel.submit(fn, *args, ranks=ranks)
+
+    def submit_each(self, fn, args_per_rank):
+        return self.channel.submit_each(fn, args_per_rank)
+
+    def order_ranks(self, order):  # the session opens the channel after laying the ranks out
+        self.channel.close()
+        self.backend.order_ranks(order)
+        self._open()
+
+    def __getattr__(self, name):  # the rest (dead_ranks, interrupt, ...) is the engine's
+        return getattr(self.backend, name)
+
+
+@pytest.fixture(params=[*ENGINES, "ipyparallel over the channel", "dask over the channel"])
 def engine(request):
-    backend = create_backend(request.param)
+    backend = create_backend(request.param.split()[0])
     backend.start(3, timeout=120)
     started = backend.local_processes()
+    calls = None
     try:
-        yield backend
+        calls = OverTheChannel(backend) if "channel" in request.param else backend
+        yield calls
     finally:
+        if isinstance(calls, OverTheChannel):
+            calls.channel.close()
         backend.stop()
         assert not backend.running
         wait_gone(started)  # stop() leaves no process start() made
