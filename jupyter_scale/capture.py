@@ -10,8 +10,10 @@ themselves; during a call that came over the kernel's channel their streams writ
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
+import re
 import secrets
 import sys
 import threading
@@ -98,48 +100,101 @@ class OutputPump:
 _current: OutputPump | None = None  # the running call's
 
 
+# The end marker of a call's output on a watched file descriptor (see _FdSync): an OSC
+# escape sequence, which terminals do not show.
+_MARKER_START = "\x1b]jupyter_scale;"
+_MARKER = re.compile(r"\x1b\]jupyter_scale;[0-9a-f]{8}\x07")
+_MARKER_LENGTH = len(_MARKER_START) + 9
+
+
+def _may_start_marker(text: str) -> bool:
+    """Whether `text` (the end of a chunk) may be the start of a marker cut by the chunking."""
+    if len(text) >= _MARKER_LENGTH:
+        return False
+    if len(text) <= len(_MARKER_START):
+        return _MARKER_START.startswith(text)
+    return text.startswith(_MARKER_START) and all(c in "0123456789abcdef" for c in text[len(_MARKER_START):])
+
+
 class _Forward(io.TextIOBase):
     """A worker's stdout or stderr during and between calls: what is written goes to the
     running call's pump, and between calls (a thread a call left running, a logging handler
-    an earlier call made) where it went before."""
+    an earlier call made) where it went before. `fd` and `watcher`: the file descriptor an
+    IPython kernel's pipe watcher thread reads into this stream."""
 
-    def __init__(self, name: str, fallback: Callable[[str], Any], fallback_flush: Callable[[], Any]):
+    def __init__(self, name: str, fallback: Callable[[str], Any], fallback_flush: Callable[[], Any],
+                 fd: int | None = None, watcher: threading.Thread | None = None):
         self.name, self._fallback, self._fallback_flush = name, fallback, fallback_flush
-        # A marker on its way through a pipe watcher (see _FdSync): (marker, what may be its start).
-        self._awaited: tuple[str, str] | None = None
+        self.fd, self.watcher = fd, watcher
+        self._pid = os.getpid()
+        self._lock = threading.Lock()  # the watcher's writes against expect() and arrived()
+        self._awaited: str | None = None  # the marker on its way through the pipe
+        self._held = ""  # the end of the watcher's last chunk, which may start a marker
         self._marker_seen = threading.Event()
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
+        if os.getpid() != self._pid:
+            # A process the call forked (a DataLoader's workers): it must not touch the
+            # parent's pump or sockets. Its output takes the watched file descriptor, which
+            # the parent's watcher reads into the call's output, where there is one.
+            if self.fd is not None:
+                os.write(self.fd, text.encode(errors="replace"))
+                return len(text)
+            return self._fallback(text) or len(text)
+        if self.watcher is not None and threading.current_thread() is self.watcher:
+            text = self._from_watcher(text)
         pump = _current
         if pump is None:
             return self._fallback(text) or len(text)
-        if self._awaited is not None:
-            text = self._strip_marker(text)
         pump.add(self.name, text)
         return len(text)
 
     def flush(self) -> None:
         pump = _current
-        if pump is not None:
+        if pump is not None and os.getpid() == self._pid:
             pump.send()
         else:
             self._fallback_flush()
 
-    def _strip_marker(self, text: str) -> str:
-        # The pipe watcher reads in chunks: the marker may come split across two of them.
-        marker, held = self._awaited
-        text = held + text
-        found = text.find(marker)
-        if found >= 0:
-            self._awaited = None
-            self._marker_seen.set()
-            return text[:found] + text[found + len(marker):]
-        keep = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
-        self._awaited = (marker, text[len(text) - keep:])
-        return text[:len(text) - keep]
+    def _from_watcher(self, text: str) -> str:
+        """The watcher's chunk without our markers (the awaited one, and any that arrived
+        after its wait gave up); the watcher reads in chunks, so a marker may be cut in two."""
+        with self._lock:
+            text, self._held = self._held + text, ""
+            if "\x1b" not in text:
+                return text
+            if self._awaited is not None and self._awaited in text:
+                self._awaited = None
+                self._marker_seen.set()
+            text = _MARKER.sub("", text)
+            cut = text.rfind("\x1b")
+            if cut >= 0 and _may_start_marker(text[cut:]):
+                text, self._held = text[:cut], text[cut:]
+            return text
+
+    def expect(self, marker: str) -> None:
+        with self._lock:
+            self._marker_seen.clear()
+            self._awaited = marker
+        assert self.fd is not None
+        os.write(self.fd, marker.encode())
+
+    def arrived(self, timeout: float) -> bool:
+        seen = self._marker_seen.wait(timeout)
+        with self._lock:
+            self._awaited = None  # a late one is still taken out of the output
+        return seen
+
+
+def _flush_c_stdio() -> None:
+    """What C code printed and its stdio still buffers (all of it, on a pipe) goes to the pipe."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask
+        pass
 
 
 class _FdSync:
@@ -150,21 +205,17 @@ class _FdSync:
 
     TIMEOUT_S = 0.5
 
-    def __init__(self, watched: list[tuple[int, _Forward]]):
+    def __init__(self, watched: list[_Forward]):
         self.watched = watched
 
     def wait(self) -> None:
-        for fd, forward in self.watched:
-            forward._marker_seen.clear()
-            marker = f"\x1b]jupyter_scale;{secrets.token_hex(4)}\x07"  # an OSC sequence: terminals show nothing
-            forward._awaited = (marker, "")
-            os.write(fd, marker.encode())
-        for _, forward in self.watched:
-            if not forward._marker_seen.wait(self.TIMEOUT_S):
-                _, held = forward._awaited or ("", "")
-                forward._awaited = None
-                if held and _current is not None:
-                    _current.add(forward.name, held)
+        if not self.watched:
+            return
+        _flush_c_stdio()
+        for forward in self.watched:
+            forward.expect(f"{_MARKER_START}{secrets.token_hex(4)}\x07")
+        for forward in self.watched:
+            forward.arrived(self.TIMEOUT_S)
 
 
 _plain: dict[str, _Forward] = {}  # a plain worker's (Dask's, Ray's), redirected to per call
@@ -204,10 +255,12 @@ def _divert_kernel_streams() -> _FdSync | None:
         return None
     watched = []
     for stream in streams:
-        forward = _Forward(stream.name, stream.write, stream.flush)
+        watching = getattr(stream, "_should_watch", False) and getattr(stream, "watch_fd_thread", None) is not None
+        forward = _Forward(stream.name, stream.write, stream.flush, fd=stream._original_stdstream_fd if watching
+                           else None, watcher=stream.watch_fd_thread if watching else None)
         stream.write, stream.flush = forward.write, forward.flush  # over the class's methods
-        if getattr(stream, "_should_watch", False) and getattr(stream, "_fid", None) is not None:
-            watched.append((stream._original_stdstream_fd, forward))
+        if watching:
+            watched.append(forward)
     if InteractiveShell.initialized():
         publisher = InteractiveShell.instance().display_pub
         publish = publisher.publish
@@ -265,6 +318,14 @@ def call_captured(fn: Callable, args: tuple, send: Callable[[dict], Any], job: s
     finally:
         _current = None
         pump.close()
+
+
+def _forget_call_in_child() -> None:
+    global _current
+    _current = None  # a forked child's copy of the pump has no thread, and its sends are the parent's
+
+
+os.register_at_fork(after_in_child=_forget_call_in_child)
 
 
 def outputs_of(message: dict) -> tuple[int, list[Output], bool]:

@@ -22,15 +22,18 @@ thread of its own (Dask, whose tasks run in a thread too).
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import os
 import pickle
 import secrets
 import shutil
+import signal
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +48,17 @@ log = logging.getLogger(__name__)
 
 SCHEME = "channel"  # channel://<directory>: the events address of a cell whose calls come over one
 _HELLO, _REPLY, _OUTPUT, _EVENTS = b"hello", b"reply", b"o", b"e"
+
+
+def _private_directory() -> str:
+    """A directory only this user can enter (mkdtemp makes it 0700), short enough for the
+    socket paths in it (107 bytes on Linux): a long $TMPDIR gives way to /tmp."""
+    for parent in (None, "/tmp"):
+        directory = tempfile.mkdtemp(prefix="jupyter_scale-", dir=parent)
+        if len(f"{directory}/calls") <= zmq.IPC_PATH_MAX_LEN:
+            return directory
+        os.rmdir(directory)
+    raise OSError(f"no temporary directory short enough for a socket path (under {zmq.IPC_PATH_MAX_LEN} bytes)")
 
 
 def _socket(kind: int) -> zmq.Socket:
@@ -79,16 +93,24 @@ class CellChannel:
     """The kernel's end: sockets in a private directory, the workers that said hello, and
     the jobs whose answers are on their way."""
 
-    def __init__(self, ranks: int, dead_ranks: Callable[[], list[int]], events: metrics.EventQueue | None):
+    def __init__(self, ranks: int, gone_ranks: Callable[[], list[int]], events: metrics.EventQueue | None):
         self.ranks = ranks
-        self._dead_ranks = dead_ranks
+        self._gone_ranks = gone_ranks
         self._events = events
-        self.directory = tempfile.mkdtemp(prefix="jupyter_scale-channel-")  # mode 0700
+        self.directory = _private_directory()
+        # Removed at close, or when the kernel exits without closing it.
+        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._calls = _socket(zmq.ROUTER)
-        self._calls.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a call to a worker that is not there fails
-        self._calls.bind(f"ipc://{self.directory}/calls")
         self._out = _socket(zmq.PULL)
-        self._out.bind(f"ipc://{self.directory}/out")
+        try:
+            self._calls.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a call to a worker that is not there fails
+            self._calls.bind(f"ipc://{self.directory}/calls")
+            self._out.bind(f"ipc://{self.directory}/out")
+        except zmq.ZMQError:
+            self._calls.close()
+            self._out.close()
+            self._remove()
+            raise
         self._poller = zmq.Poller()
         self._poller.register(self._calls, zmq.POLLIN)
         self._poller.register(self._out, zmq.POLLIN)
@@ -131,10 +153,8 @@ class CellChannel:
 
     def _new_job(self, fn: Callable, ranks: list[int]) -> ChannelJob:
         self.poll(0)  # what came since the last job (late output of an abandoned cell) goes first
-        dead = sorted(set(self._dead_ranks()) & set(ranks))
-        if dead:
-            raise WorkerLost(dead[0], "its worker process ended")
         job = ChannelJob(self, f"{getattr(fn, '__name__', 'call')}-{next(self._job_ids)}", ranks)
+        job.unreachable.update(set(self._gone_ranks()) & set(ranks))  # lost, as the job's wait says
         self._jobs[job.id] = job
         return job
 
@@ -144,6 +164,8 @@ class CellChannel:
         return [_dumps((job.id, fn, head)), *frames]
 
     def _send_call(self, job: ChannelJob, rank: int, message: list) -> None:
+        if rank in job.unreachable:
+            return
         try:
             _send(self._calls, [self.identities[rank], *message])
         except zmq.ZMQError as exc:  # EHOSTUNREACH: its socket is gone
@@ -199,18 +221,19 @@ class CellChannel:
     def forget(self, job: ChannelJob) -> None:
         self._jobs.pop(job.id, None)
 
-    def dead_ranks(self) -> list[int]:
-        return self._dead_ranks()
+    def gone_ranks(self) -> list[int]:
+        return self._gone_ranks()
 
     def close(self) -> None:
-        """Close the sockets and remove their directory (the workers' ends see nothing more)."""
+        """Close the sockets and remove their directory. The workers' ends never connect
+        again (see _WorkerEnd), even to a socket someone else binds at the same path."""
         if self.closed:
             return
         self.closed = True
         self._jobs.clear()
         self._calls.close()
         self._out.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove()
 
 
 class ChannelJob(Job):
@@ -240,12 +263,11 @@ class ChannelJob(Job):
         return rank in self._ended
 
     def _worker_gone(self, rank: int) -> bool:
-        return rank in self.unreachable or rank in self._channel.dead_ranks()
+        return rank in self.unreachable or rank in self._channel.gone_ranks()
 
     def result(self, rank: int) -> Any:
         if rank not in self._answers:
-            raise WorkerLost(rank, "its worker process ended" if rank not in self.unreachable
-                             else "its worker no longer reads the kernel's channel")
+            raise WorkerLost(rank, "its worker process ended")
         ok, value = self._answers[rank]
         if not ok:
             raise WorkerCallFailed(rank, value)
@@ -274,9 +296,13 @@ class _WorkerEnd:
         self.directory, self.rank = directory, rank
         self._calls = _socket(zmq.DEALER)
         self._calls.setsockopt(zmq.IDENTITY, identity)
-        self._calls.connect(f"ipc://{directory}/calls")
         self._out = _socket(zmq.PUSH)
-        self._out.connect(f"ipc://{directory}/out")
+        for socket, name in ((self._calls, "calls"), (self._out, "out")):
+            # Connected once, to the kernel's socket, which is bound before the worker hears of
+            # it. Never again: once the kernel closed it and removed its directory, someone
+            # else could make that path and bind a socket of their own there.
+            socket.setsockopt(zmq.RECONNECT_IVL, -1)
+            socket.connect(f"ipc://{directory}/{name}")
         self._out_lock = threading.Lock()
         self._stream = None
         self._thread: threading.Thread | None = None
@@ -293,6 +319,10 @@ class _WorkerEnd:
     def handle(self, parts: list) -> None:
         """Run one call and answer it (the serving thread)."""
         job_id = "?"
+        # In the main thread, SIGINT raises KeyboardInterrupt in the call, as ipykernel makes
+        # it do around the engine's own calls (run_cell narrows it to the cell's code).
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
         try:
             job_id, fn, head = pickle.loads(parts[0].buffer)
             frames = [part.buffer for part in parts[1:]]
@@ -304,6 +334,9 @@ class _WorkerEnd:
                 answer = [_dumps((job_id, True, value, False))]
         except BaseException as exc:  # noqa: B036 - an answer, whatever happened (our functions catch their own)
             answer = [_dumps((job_id, False, f"{type(exc).__name__}: {exc}", False))]
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         _send(self._calls, [_REPLY, *answer])
 
     def serve_on(self, loop: Any) -> None:
@@ -326,7 +359,10 @@ class _WorkerEnd:
                     self.handle(self._calls.recv_multipart(copy=False))
             self._calls.close()
 
-        self._thread = threading.Thread(target=run, name="jupyter_scale-channel", daemon=True)
+        # In the context of the call that opened it: on a Dask worker, the cells see their
+        # worker (distributed.get_worker, get_client) as in a task.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(run,), name="jupyter_scale-channel", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -373,6 +409,14 @@ def serve(directory: str, identity: bytes, rank: int, loop: Any = None) -> int:
         end.serve_in_thread()
     _worker_end = end
     return os.getpid()
+
+
+def _forget_in_child() -> None:
+    global _worker_end
+    _worker_end = None  # a forked child must not use the parent's sockets (nor close them)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def close_worker_end() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
@@ -602,13 +603,20 @@ class ScaleSession(LoggingConfigurable):
         serve = backend.channel_server() if all_local and self.direct_channel else None
         if serve is None:
             return
-        opened = channel.CellChannel(backend.size, backend.dead_ranks, self._event_stream())
         try:
-            backend.submit_each(serve, opened.worker_arguments()).wait(self.start_timeout)
+            opened = channel.CellChannel(backend.size, backend.gone_ranks, self._event_stream())
+        except (OSError, zmq.ZMQError) as exc:
+            log.info("no direct channel (%s); cells go through %s", exc, self.backend_name)
+            return
+        job = backend.submit_each(serve, opened.worker_arguments())
+        try:
+            job.wait(self.start_timeout)
             ready = opened.await_workers(CHANNEL_HELLO_S)
         except (ClusterError, WorkerLost) as exc:  # a worker that cannot: the engine carries the cells
             log.info("the workers' direct channel could not open (%s); cells go through %s", exc, self.backend_name)
             ready = False
+        finally:
+            job.release()
         if ready:
             self._channel = opened
             return
@@ -748,7 +756,13 @@ class ScaleSession(LoggingConfigurable):
         try:
             with interrupts_noted() as interrupts:
                 frames, request["shared_frames"] = self._pack_frames(shipment)
-                job = self._calls().submit(worker.run_cell, request, *frames)
+                try:
+                    job = self._calls().submit(worker.run_cell, request, *frames)
+                except BaseException as exc:  # nothing runs: the run ends here, as it does after a wait
+                    record.status, record.error = "failed", str(exc)
+                    self.shipper.discard()
+                    self._finish_run(view, record)
+                    raise
                 self._cell = cell = CellRun(self, job, record, view, timeout, interrupts)
                 answered = False
                 try:

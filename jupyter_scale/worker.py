@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import frameworks, launchers, rendezvous, sharedmem, shipping, training
+from . import channel, frameworks, launchers, rendezvous, sharedmem, shipping, training
 from .metrics import EventSink, Recorder
 from .protocol import CellRequest, Described, Layout
 
@@ -239,6 +239,7 @@ def reset() -> None:
     """Forget every cell's state: a worker of a cluster that another session used starts clean."""
     global _state
     leave_group()
+    channel.close_worker_end()  # the kernel that opened it is done with this worker
     if _state.sink is not None:
         _state.sink.close()
     if _state.frames_out is not None:
@@ -486,7 +487,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
                 if request.get("auto") and request.get("shard") is not None else nullcontext())
     if _state.device.type == "cuda":  # the current device is the thread's: the call's may be new
         torch.cuda.set_device(_state.device)
-    _gate_sigint()  # the engine restores its own handler once it has sent the reply
+    _gate_sigint()  # the engine (or the channel) restores its own handler once the call is answered
     _state.cell_run = request.get("run", "")
     sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)
     _state.collective = _state.failed_in = None

@@ -7,6 +7,7 @@ import os
 import stat
 import uuid
 
+import pytest
 from stranger import require_stranger, run_as_stranger
 
 from conftest import SETUP, _stop_and_check, kernel_fixture
@@ -37,6 +38,20 @@ CELLS = [
     "for i in range(20):\n    report(loss=float(i + rank))\n"
     "from IPython.display import display, HTML\nif rank == 0: display(HTML('<b>shown</b>'))",
 ]
+
+
+# A DataLoader whose forked worker processes print: they must not use the worker's sockets.
+LOUD_LOADER = """
+class Loud(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        print(f"in a loader process of rank {rank}", flush=True)
+        return torch.tensor(i)
+for batch in DataLoader(Loud(), batch_size=2, num_workers=2):
+    pass
+print("loaded by", rank)
+"""
 
 
 def _running(k):
@@ -112,15 +127,57 @@ def test_what_a_cell_writes_to_the_file_descriptors_comes_with_its_output(monkey
         k.ok(SETUP)
         out = k.ok("%%distribute --workers 2\nimport os, subprocess\nos.write(1, b'written to fd 1 by %d\\n' % rank)\n"
                    "subprocess.run(['echo', f'echoed by {rank}'], check=True)\n"
-                   "os.write(2, b'written to fd 2 by %d\\n' % rank)")
+                   "os.write(2, b'written to fd 2 by %d\\n' % rank)\n" + LOUD_LOADER)
         assert k.value("jupyter_scale.get_session()._channel is not None")
         for rank in (0, 1):
             assert f"[rank {rank}] written to fd 1 by {rank}" in out.stdout
             assert f"[rank {rank}] echoed by {rank}" in out.stdout
             assert f"[rank {rank}] written to fd 2 by {rank}" in out.stderr
+            assert f"[rank {rank}] in a loader process of rank {rank}" in out.stdout
         assert "jupyter_scale;" not in out.stdout + out.stderr  # the end markers are taken out
     finally:
         _stop_and_check(k)
+
+
+def test_forked_loader_processes_that_print_do_not_stall_the_cell(kernel):
+    _running(k := kernel)
+    out = k.ok("%%distribute\n" + LOUD_LOADER)
+    assert "[rank 0] loaded by 0" in out.stdout and "[rank 1] loaded by 1" in out.stdout
+
+
+def test_a_dask_cell_sees_its_worker(kernel):
+    if kernel.backend != "dask":
+        pytest.skip("Dask's get_worker()")
+    _running(kernel)
+    out = kernel.ok("%%distribute\nfrom distributed import get_worker\nprint('on', get_worker().address)")
+    assert "[rank 0] on tls://127.0.0.1:" in out.stdout
+
+
+def test_workers_never_connect_again_to_a_closed_channels_path(kernel):
+    """Once the kernel closed a channel and removed its directory, anyone could make that path
+    and bind a socket there: the workers' ends must not reconnect to it."""
+    _running(kernel)
+    kernel.ok("%%distribute\nx = rank")
+    kernel.ok("""
+import os, shutil, time, zmq
+session = jupyter_scale.get_session()
+old = session._channel.directory
+session._close_channel()
+os.mkdir(old, 0o700)  # as someone else would, once it is gone
+socket = zmq.Context.instance().socket(zmq.ROUTER)
+monitor = socket.get_monitor_socket(zmq.EVENT_ACCEPTED)
+socket.bind(f"ipc://{old}/calls")
+time.sleep(1.5)  # the workers' ends would have tried many times (every 0.1 s by default)
+accepted = monitor.poll(0)
+socket.disable_monitor()
+monitor.close()
+socket.close(0)
+shutil.rmtree(old)
+""")
+    accepted = kernel.value("accepted")
+    assert accepted == 0
+    kernel.ok("%scale restart")
+    assert "[rank 1] 1" in kernel.ok("%%distribute\nprint(rank)").stdout
 
 
 def test_a_stranger_cannot_open_the_channel(kernel):

@@ -293,22 +293,31 @@ def test_every_engine_is_found_through_the_entry_point_group():
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
 def test_the_end_marker_is_taken_out_however_the_pipe_watcher_cuts_the_text(chunk):
-    """What a watched file descriptor carried reaches the call whole, without the marker that
-    ends it, in whatever pieces the kernel's pipe watcher reads it."""
+    """What a watched file descriptor carried reaches the call whole, without the markers
+    that end calls (this one's, and a late one of a wait that gave up), in whatever pieces
+    the kernel's pipe watcher reads it."""
+    import threading
+
     from jupyter_scale import capture
 
     sent = []
     pump = capture.OutputPump(sent.append, "job", 0)
-    forward = capture._Forward("stdout", lambda text: pytest.fail(f"fell back: {text!r}"), lambda: None)
+    read_end, write_end = os.pipe()  # where expect() writes the marker (the watcher here is this thread)
+    forward = capture._Forward("stdout", lambda text: pytest.fail(f"fell back: {text!r}"), lambda: None,
+                               fd=write_end, watcher=threading.current_thread())
     marker = "\x1b]jupyter_scale;0123abcd\x07"
-    forward._awaited = (marker, "")
-    text = "out \x1b] partial \x1b]jupyter_scale;0 almost\n" + marker
+    forward.expect(marker)
+    text = ("out \x1b]8;;link\x07 \x1b]jupyter_scale;0 almost\n" + marker
+            + "\x1b]jupyter_scale;deadbeef\x07after\n")
     capture._current = pump
     try:
         for start in range(0, len(text), chunk):
             forward.write(text[start:start + chunk])
+        assert forward.arrived(0)
     finally:
         capture._current = None
         pump.close()
-    assert forward._marker_seen.is_set() and forward._awaited is None
-    assert "".join(part[1] for message in sent for part in message["parts"]) == text[:-len(marker)]
+        os.close(read_end)
+        os.close(write_end)
+    received = "".join(part[1] for message in sent for part in message["parts"])
+    assert received == "out \x1b]8;;link\x07 \x1b]jupyter_scale;0 almost\nafter\n"

@@ -228,6 +228,11 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         """Ranks whose worker process is known to be gone."""
         return []
 
+    def gone_ranks(self) -> list[int]:
+        """Ranks whose worker is gone, as a waiting job asks at every turn: from what the
+        engine last heard where dead_ranks would ask a server (Dask)."""
+        return self.dead_ranks()
+
     def channel_server(self) -> Callable[..., int] | None:
         """A worker-side function, `fn(directory, identity, rank) -> pid`, that serves the
         kernel's direct channel (channel.serve) where this engine runs its calls; None

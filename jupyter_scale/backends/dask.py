@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import multiprocessing
 import os
 import shlex
 import sys
@@ -133,6 +134,13 @@ def _pid() -> int:
     return os.getpid()
 
 
+def as_a_process_of_its_own() -> None:
+    """Python's default start method for the cell's own processes: a worker that the nanny
+    started through spawn or the fork server inherits that method, and a DataLoader with
+    workers would then pickle the cell's Dataset by reference to a __main__ without it."""
+    multiprocessing.set_start_method(None, force=True)
+
+
 def dask_setup(dask_worker) -> None:
     """Dask preload hook for the embedded cluster's workers: a process group of their own.
 
@@ -140,6 +148,7 @@ def dask_setup(dask_worker) -> None:
     would take SIGINT in its event loop and die. The kernel interrupts cells itself.
     """
     os.setpgrp()
+    as_a_process_of_its_own()
     # A fork of the fork server: Python's random reseeded itself, NumPy's global generator
     # would be the same in every worker (drawn once, in the server).
     numpy_random = sys.modules.get("numpy.random")
@@ -513,7 +522,8 @@ class DaskBackend(Backend):
     # `dask worker` imports a preload module in the nanny too (to check its arguments), which
     # would import torch there as well (a second or two and 250 MB per job): given as code, the
     # preload defines a hook that imports ours (and torch) in the worker only, before the first cell.
-    _SLURM_WORKER_PRELOAD = "def dask_setup(worker):\n    import jupyter_scale.backends.dask\n"
+    _SLURM_WORKER_PRELOAD = ("def dask_setup(worker):\n    import jupyter_scale.backends.dask as engine\n"
+                             "    engine.as_a_process_of_its_own()\n")
 
     def _start_on_slurm(self, n: int, timeout: float, launcher: SlurmLauncher) -> None:
         """dask-jobqueue's SLURMCluster: the scheduler in this kernel, one Slurm job per worker
