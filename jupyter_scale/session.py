@@ -758,10 +758,8 @@ class ScaleSession(LoggingConfigurable):
                 frames, request["shared_frames"] = self._pack_frames(shipment)
                 try:
                     job = self._calls().submit(worker.run_cell, request, *frames)
-                except BaseException as exc:  # nothing runs: the run ends here, as it does after a wait
-                    record.status, record.error = "failed", str(exc)
-                    self.shipper.discard()
-                    self._finish_run(view, record)
+                except BaseException as exc:  # nothing runs: the run ends here, as after a broken wait
+                    self._end_broken_run(view, record, exc)
                     raise
                 self._cell = cell = CellRun(self, job, record, view, timeout, interrupts)
                 answered = False
@@ -772,9 +770,7 @@ class ScaleSession(LoggingConfigurable):
                     # Whatever ended the wait early (an engine's error, a bug): no rank may run
                     # on unseen, reading frames the next cell writes.
                     answered = self._stop_abandoned(job)
-                    record.status, record.error = "failed", str(exc)
-                    self.shipper.discard()
-                    self._finish_run(view, record)
+                    self._end_broken_run(view, record, exc)
                     raise
                 finally:
                     job.release()
@@ -1012,6 +1008,13 @@ class ScaleSession(LoggingConfigurable):
                   "the next cell does", file=sys.stderr, flush=True)
         finally:
             job.release()
+
+    def _end_broken_run(self, view: RunView, record: RunRecord, exc: BaseException) -> None:
+        """A run that ended without every rank's answer: failed, and whatever it shipped is
+        sent again by the next cell (some rank may not hold it)."""
+        record.status, record.error = "failed", str(exc)
+        self.shipper.discard()
+        self._finish_run(view, record)
 
     def _finish_run(self, view: RunView, record: RunRecord) -> None:
         """Show the run's end in the cell and tell the observers (the sidebar)."""

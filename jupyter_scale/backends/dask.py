@@ -156,12 +156,6 @@ def dask_setup(dask_worker) -> None:
         numpy_random.seed()
 
 
-def _serve_channel(directory: str, identity: bytes, rank: int) -> int:
-    """Calls over the kernel's channel run in a thread of the channel's, as Dask's own run in
-    a thread of the worker's (interrupted alike, by worker.interrupt_cell)."""
-    return channel.serve(directory, identity, rank)
-
-
 async def _interrupt(run: str | None = None) -> bool:
     # A coroutine, so Client.run can fire it without waiting: it runs in the worker's event
     # loop, beside the busy task thread.
@@ -784,7 +778,9 @@ class DaskBackend(Backend):
         return self._new_job(fn, {r: (head, payload) for r in ranks}, held)
 
     def channel_server(self) -> Callable[..., int] | None:
-        return _serve_channel
+        # Calls over the channel run in a thread of its own, as Dask's run in a thread of the
+        # worker's (interrupted alike, by worker.interrupt_cell).
+        return channel.serve
 
     def submit_each(self, fn: Callable, args_per_rank: list[tuple]) -> Job:
         self._require_client()
