@@ -103,4 +103,5 @@ class CellReply(_ReplyRequired, total=False):
     pulled: list  # rank 0: (names, kind, frame count or plan) per pulled value
     pull_errors: dict[str, str]
     state_digests: dict[str, tuple]  # per module pulled as a state dict: (keys left out, key -> digest)
+    pack_seconds: float  # rank 0's time packing its pulls (hashing included)
     shared_frames: dict | None  # rank 0's pull-back in its shared memory

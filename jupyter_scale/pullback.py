@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import shipping, worker
+from . import shipping, worker, writewatch
 from .backends import Backend, Job
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class Puller:
     chunk_bytes: int  # a sharded model comes back in chunks of whole tensors of at most this
     timeout: float  # for each chunk's answer
     abandon: Callable[[Job], None]  # stops a chunk's job that failed; the group is then formed anew
+    plan: shipping.Plan | None = None  # the cell's: what the notebook's values were as it began
 
     def apply(self, header: CellReply, frames: Sequence, record: RunRecord) -> None:
         """Rank 0's answer to the cell's pulls: each value into the notebook, all or nothing
@@ -64,12 +65,16 @@ class Puller:
                     value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
                     module = self.namespace[names[0]]
                     same, digests = header.get("state_digests", {}).get(names[0], ([], {}))
-                    if same:  # the notebook holds these bytes already: copying a tensor onto itself is a no-op
-                        own = module.state_dict()
-                        value.update((key, own[key]) for key in same)
-                    check_state_dict(module, value)  # all or nothing
-                    with torch.no_grad():
-                        module.load_state_dict(value)
+                    own = module.state_dict(keep_vars=True)
+                    # The notebook holds these bytes already: copying a tensor onto itself is a no-op.
+                    value.update((key, own[key]) for key in same)
+                    check_state_dict(module, value, own)  # all or nothing
+                    changed = value.keys() - set(same)
+                    for key in changed:  # overwritten whole: see writewatch
+                        writewatch.will_write(own[key])
+                    if changed:  # else every entry is the notebook's own: nothing to load
+                        with torch.no_grad():
+                            module.load_state_dict(value)
                     targets = module.state_dict(keep_vars=True)
                     hashed = [(targets[key], digest) for key, digest in digests.items() if key in targets]
                     values = {}
@@ -85,7 +90,10 @@ class Puller:
             for name in names:
                 record.pulled.append(name)
                 # The notebook now holds what the workers hold: don't send it back unchanged.
-                self.shipper.mark_synced(name, self.namespace[name], hashed if kind == "state_dict" else ())
+                if kind == "state_dict":
+                    self.shipper.mark_synced(name, self.namespace[name], hashed, self.plan)
+                else:
+                    self.shipper.mark_synced(name, self.namespace[name])
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
 
@@ -135,11 +143,12 @@ class Puller:
                     targets[key].copy_(targets[alias])
 
 
-def check_state_dict(module: torch.nn.Module, state: dict) -> None:
+def check_state_dict(module: torch.nn.Module, state: dict, own: dict | None = None) -> None:
     """Raise, naming the first difference, unless `state` fits `module` exactly (keys,
     shapes, dtypes): load_state_dict would copy every tensor that fits before raising on
-    one that does not, leaving the notebook's model half rank 0's."""
-    own = module.state_dict()
+    one that does not, leaving the notebook's model half rank 0's. `own`: the module's
+    state dict, when the caller has it."""
+    own = module.state_dict() if own is None else own
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if missing or unexpected:
         raise ValueError(f"the workers' model has {'no ' + repr(missing[0]) if missing else repr(unexpected[0])} "

@@ -45,6 +45,9 @@ class RunRecord:
     skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
     pulled: list[str] = field(default_factory=list)
     pulled_bytes: dict[str, int] = field(default_factory=dict)  # what came back from rank 0, per pull
+    # Rank 0 packing what comes back (hashing it to leave out what the notebook holds) and
+    # the kernel writing it into the notebook's objects; not the transport between them.
+    pullback_seconds: float = 0.0
     metrics: list[dict] = field(default_factory=list)
     states: list[dict] = field(default_factory=list)  # workers' state changes, in arrival order
     lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)

@@ -987,7 +987,7 @@ class ScaleSession(LoggingConfigurable):
         record.status = "finished"
         self._finish_run(view, record)
         if 0 in headers:
-            self._apply_pulls(headers[0], frames_back.get(0, ()), record)
+            self._apply_pulls(headers[0], frames_back.get(0, ()), record, plan)
 
     def _sync_buffers(self, headers: dict[int, CellReply]) -> None:
         """Automatic mode ends a cell with rank 0's module buffers on every rank (as DDP's
@@ -1083,9 +1083,12 @@ class ScaleSession(LoggingConfigurable):
         except Exception:  # the store is gone with rank 0; its peers fail on their own
             log.debug("abort request through the store failed", exc_info=True)
 
-    def _apply_pulls(self, header: CellReply, frames: Sequence, record: RunRecord) -> None:
+    def _apply_pulls(self, header: CellReply, frames: Sequence, record: RunRecord,
+                     plan: shipping.Plan | None = None) -> None:
+        applying = time.perf_counter()
         pullback.Puller(self.namespace, self.shipper, self._calls(), self.pull_chunk_bytes, self.start_timeout,
-                        self._abandon_pull).apply(header, frames, record)
+                        self._abandon_pull, plan).apply(header, frames, record)
+        record.pullback_seconds = header.get("pack_seconds", 0.0) + time.perf_counter() - applying
 
     def _abandon_pull(self, job: Job) -> None:
         """A pull of a sharded model failed half-way: stop its ranks, form the group anew."""

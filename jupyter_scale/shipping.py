@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import xxhash
 
+from . import writewatch
 from .errors import ShippingError
 
 # --------------------------------------------------------------------------------------
@@ -380,8 +381,13 @@ def _build_tensor(meta: tuple, buffer, device: torch.device | None, copy: bool =
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
-def _digest(array: np.ndarray) -> bytes:
-    return xxhash.xxh3_128(memoryview(array)).digest()
+_digest = writewatch.digest
+
+
+def _tensor_digest(tensor: torch.Tensor, array: np.ndarray) -> bytes:
+    """The digest of `array`, `tensor`'s bytes: their chunks hashed only if they were
+    written since they were last hashed (see writewatch)."""
+    return writewatch.watch().digest(tensor, array)
 
 
 # --------------------------------------------------------------------------------------
@@ -563,7 +569,7 @@ class _StructurePickler(_NamespaceFunctions, cloudpickle.Pickler):
         found = self.tensors.get(id(obj))
         if found is None:
             array, meta = _tensor_bytes(obj)
-            found = self.tensors[id(obj)] = (obj, array, _digest(array), meta)
+            found = self.tensors[id(obj)] = (obj, array, _tensor_digest(obj, array), meta)
         self.keys.setdefault(id(obj))
         return ("t", id(obj), found[3])
 
@@ -645,6 +651,7 @@ class Shipper:
         """The value's structure digest, its tensors' ids, the notebook names its functions
         and classes reach, and the names whose objects it holds (by reference)."""
         file = io.BytesIO()
+        writewatch.watch().start_pass()
         pickler = _StructurePickler(file, tensors, self.namespace, self._named() if named is None else named, value)
         pickler.dump(value)
         h = xxhash.xxh3_128(file.getvalue())
@@ -833,12 +840,21 @@ class Shipper:
         """A shipment did not reach every worker: it is prepared again next time."""
         self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
 
-    def mark_synced(self, name: str, value: Any, hashed: Iterable[tuple[torch.Tensor, bytes]] = ()) -> None:
+    def mark_synced(self, name: str, value: Any, hashed: Iterable[tuple[torch.Tensor, bytes]] = (),
+                    planned: Plan | None = None) -> None:
         """The workers hold what the notebook's `value` holds now (after a pull-back).
         `hashed`: the notebook's tensors whose bytes rank 0 hashed as it sent them, with
-        their digests; they are not hashed again."""
+        their digests; they are not hashed again. `planned`: the cell's plan, when `value`
+        is a module whose state dict was loaded: see _planned_structure_stands."""
         tensors: dict = {id(obj): (obj, None, digest, _tensor_meta(obj)) for obj, digest in hashed}
-        structure, keys, _, _ = self._structure(value, tensors)
+        if planned is not None and self._planned_structure_stands(name, value, tensors, planned):
+            # Skipping this pickle is what makes an unchanged model's pull-back cheap. Were
+            # a load hook to change anything else, the next plan's structure differs from
+            # this one: the value is sent again, never taken as the workers' by mistake.
+            structure, keys = planned.structure[name], planned.tensor_keys[name]
+            tensors = {key: tensors.get(key) or planned.tensors[key] for key in keys}
+        else:
+            structure, keys, _, _ = self._structure(value, tensors)
         self._owned.pop(name, None)
         untracked = {}
         for key in keys:
@@ -849,6 +865,19 @@ class Shipper:
             else:
                 untracked[key] = digest
         self._names[name] = _NameState(structure, untracked)
+
+    @staticmethod
+    def _planned_structure_stands(name: str, value: Any, tensors: dict, planned: Plan) -> bool:
+        """Whether loading a state dict into the module `value` left its structure as
+        planned: every entry of it is a tensor whose bytes travel apart from the structure
+        (`tensors`: those rank 0 digested), the same object the plan saw, of the same
+        dtype and shape. An extra state or a tensor subclass is part of the structure."""
+        if planned.values.get(name) is not value or name not in planned.structure:
+            return False
+        state = value.state_dict(keep_vars=True)
+        return all(
+            id(obj) in tensors and _shippable_tensor(obj) and (found := planned.tensors.get(id(obj))) is not None
+            and found[0] is obj and found[3] == tensors[id(obj)][3] for obj in state.values())
 
     def held_tensors(self) -> dict[int, torch.Tensor]:
         """token -> the notebook's tensor, for every tensor the workers hold of the notebook's:
@@ -982,6 +1011,7 @@ def _write_into(held: torch.Tensor, meta: tuple, buffer) -> torch.Tensor:
             held.to_local().copy_(distribute_tensor(whole.detach(), held.device_mesh, held.placements,
                                                     src_data_rank=None).to_local())
         return held
+    writewatch.will_write(held)
     if _copy_into(held, meta, buffer):
         return held
     fresh = _build_tensor(meta, buffer, held.device)
@@ -1065,12 +1095,13 @@ def drop_unchanged(state: dict, notebook: dict[str, tuple]) -> tuple[list[str], 
     made to hash them (id -> (array, meta), for `dumps`)."""
     same, digests, arrays = [], {}, {}
     by_storage: dict[tuple, bytes] = {}  # tied weights are hashed once
+    writewatch.watch().start_pass()
     for key, tensor in list(state.items()):
         if not _shippable_tensor(tensor):
             continue
         array, meta = arrays[id(tensor)] = _tensor_bytes(tensor)
         where = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        digest = digests[key] = by_storage.get(where) or by_storage.setdefault(where, _digest(array))
+        digest = digests[key] = by_storage.get(where) or by_storage.setdefault(where, _tensor_digest(tensor, array))
         if notebook.get(key) == (digest, *meta[:2]):
             same.append(key)
             del state[key]

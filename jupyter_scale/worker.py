@@ -561,8 +561,10 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     out_frames: list = []
     if rank == 0:
         tensor_frames: list[bool] = []
+        packing = time.perf_counter()
         header["pulled"], header["pull_errors"], header["state_digests"] = _pack_pulls(request, out_frames,
                                                                                        tensor_frames)
+        header["pack_seconds"] = time.perf_counter() - packing
         if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
             _state.frames_out.keep = request["pull_through"]
             try:

@@ -209,9 +209,13 @@ def test_changed_names_are_resent_unchanged_big_tensor_is_not(kernel):
     kernel.ok("%%distribute\ndel big")
 
 
-def test_only_the_tensors_a_cell_changed_come_back(kernel):
+# 1024: weights of 4 MiB, whose unwritten chunks neither side hashes again (writewatch);
+# every way of writing them must still be seen.
+@pytest.mark.parametrize("width", [256, 1024])
+def test_only_the_tensors_a_cell_changed_come_back(kernel, width):
+    kernel.ok(f"W = {width}")
     kernel.ok("""
-pm = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.BatchNorm1d(256))
+pm = nn.Sequential(nn.Linear(W, W), nn.Linear(W, W), nn.BatchNorm1d(W))
 def pulled():
     run = jupyter_scale.get_session().runs[-1]
     assert 'pm' in run.pulled, run.pulled
@@ -222,11 +226,25 @@ def rank0_holds_the_notebooks():
     assert ranks[0].keys() == ours.keys()
     assert all(torch.equal(ranks[0][k], ours[k]) for k in ours), 'the notebook differs from rank 0'
 """)
-    whole = 2 * (256 * 256 + 256) * 4
+    whole = 2 * (width * width + width) * 4
     # Read but not changed: no tensor comes back, only the state dict's frame.
     kernel.ok("%%distribute\nn = sum(p.numel() for p in pm.parameters())")
     back, _ = kernel.value("pulled()")
     assert back < 4096, back
+    if width == 1024:  # nor is it hashed again, where pages can be watched: neither in the kernel nor on rank 0
+        probe = ("%%distribute --pull hashed\nfrom jupyter_scale import writewatch\n"
+                 "hashed = writewatch.watch().hashed_bytes if writewatch.watch().watching else None")
+        kernel.ok(probe)
+        before = kernel.value("hashed, jupyter_scale.writewatch.watch().hashed_bytes")
+        kernel.ok("%%distribute\nn = sum(p.numel() for p in pm.parameters())")
+        back, _ = kernel.value("pulled()")
+        assert back < 4096, back
+        kernel.ok(probe)
+        after = kernel.value("hashed, jupyter_scale.writewatch.watch().hashed_bytes")
+        if before[0] is not None:  # at most the chunks at the weights' two ends (see writewatch)
+            assert after[0] - before[0] < 3 * whole / 4, (before, after)
+            assert after[1] - before[1] < 3 * whole / 4, (before, after)
+        kernel.ok("%%distribute\ndel hashed")
     # Writes that bypass autograd's version counters (.data, NumPy) are seen: by their bytes.
     kernel.ok("""%%distribute
 pm[0].weight.data.add_(1)
@@ -234,30 +252,36 @@ pm[1].bias.detach().numpy()[:] = 3
 state = {k: v.clone() for k, v in pm.state_dict().items()}
 """)
     back, _ = kernel.value("pulled()")
-    assert 256 * 256 * 4 + 256 * 4 <= back < 256 * 256 * 4 + 256 * 4 + 4096 < whole, back
+    assert width * width * 4 + width * 4 <= back < width * width * 4 + width * 4 + 4096 < whole, back
     kernel.ok("rank0_holds_the_notebooks()\nassert bool((pm[1].bias == 3).all())")
     # The notebook's digests of what came back are rank 0's: the next cell sends nothing back
     # and nothing out.
     kernel.ok("%%distribute\nstate = {k: v.clone() for k, v in pm.state_dict().items()}")
     back, shipped = kernel.value("pulled()")
     assert back < 4096 and shipped == 0, (back, shipped)
-    # The notebook's own change goes out and does not come back.
-    kernel.ok("pm[2].weight.data.fill_(2)")
+    # Two elements written through NumPy on the workers, after a cell that changed nothing.
+    kernel.ok("%%distribute\npm[1].weight.detach().numpy()[3, :2] = 5\n"
+              "state = {k: v.clone() for k, v in pm.state_dict().items()}")
+    back, _ = kernel.value("pulled()")
+    assert width * width * 4 <= back < width * width * 4 + 4096, back
+    kernel.ok("rank0_holds_the_notebooks()\nassert pm[1].weight[3, 1].item() == 5")
+    # The notebook's own changes go out and do not come back.
+    kernel.ok("pm[2].weight.data.fill_(2)\npm[0].weight.detach().numpy()[-1, -1] = 7")
     kernel.ok("%%distribute\nstate = {k: v.clone() for k, v in pm.state_dict().items()}")
     back, shipped = kernel.value("pulled()")
-    assert back < 4096 and 1024 <= shipped, (back, shipped)
-    kernel.ok("rank0_holds_the_notebooks()\nassert bool((pm[2].weight == 2).all())")
+    assert back < 4096 and width * width * 4 <= shipped, (back, shipped)
+    kernel.ok("rank0_holds_the_notebooks()\nassert bool((pm[2].weight == 2).all()) and pm[0].weight[-1, -1] == 7")
     # A training step changes everything: all of it comes back.
     kernel.ok("""%%distribute
 opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-pm(torch.randn(8, 256)).square().mean().backward()
+pm(torch.randn(8, W)).square().mean().backward()
 opt.step()
 state = {k: v.clone() for k, v in pm.state_dict().items()}
 """)
     back, _ = kernel.value("pulled()")
     assert back >= whole, back
-    kernel.ok("rank0_holds_the_notebooks()\ndel pm, pulled, rank0_holds_the_notebooks")
-    kernel.ok("%%distribute\ndel pm, state, opt, n")
+    kernel.ok("rank0_holds_the_notebooks()\ndel pm, pulled, rank0_holds_the_notebooks, W")
+    kernel.ok("%%distribute\ndel pm, state, opt, n, W")
 
 
 def test_error_on_rank_1_names_it_and_the_next_cell_works(kernel, trained):

@@ -206,6 +206,54 @@ def test_mark_synced_after_pull_back_sends_nothing():
     assert [n for n, _ in link.shipper.prepare(link.shipper.plan({"pulled": pulled})).names] == ["pulled"]
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass (as quantized weights are): pickled into the structure, bytes and all."""
+
+
+def pull_back(shipper, plan, module, trained):
+    """What Puller.apply does with rank 0's state dict `trained`: load what differs,
+    then record that the workers hold what the notebook now does."""
+    state = trained.state_dict()
+    same, digests, _ = shipping.drop_unchanged(state, shipping.state_digests(module, plan.tensors))
+    own = module.state_dict(keep_vars=True)
+    state.update((key, own[key]) for key in same)
+    with torch.no_grad():
+        module.load_state_dict(state)
+    targets = module.state_dict(keep_vars=True)
+    shipper.mark_synced("m", module, [(targets[k], d) for k, d in digests.items() if k in targets], plan)
+
+
+@pytest.mark.parametrize("extra", ["none", "subclass buffer"])
+def test_a_pull_back_keeps_the_planned_structure_only_when_it_wrote_plain_tensors(extra):
+    """The plan's structure is reused after a pull-back (no second pickle of the model)
+    unless the load wrote something pickled into the structure: then the notebook's
+    next change of it must still be sent."""
+    def make():
+        m = torch.nn.Linear(4, 4)
+        if extra == "subclass buffer":
+            m.register_buffer("q", torch.zeros(4).as_subclass(Marked))
+        return m
+    module, link = make(), Link()
+    link.send(m=module)
+    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    plan = link.shipper.plan({"m": module})
+    link.shipper.commit(link.shipper.prepare(plan))  # the cell that trains it
+    trained = make()
+    trained.load_state_dict(saved)
+    with torch.no_grad():
+        trained.weight.add_(1)
+        if extra == "subclass buffer":
+            trained.q.fill_(5)
+    pull_back(link.shipper, plan, module, trained)
+    assert torch.equal(module.weight, trained.weight)
+    again = link.shipper.prepare(link.shipper.plan({"m": module}))
+    assert again.names == [] and again.updates == [], "what came back is not sent out again"
+    with torch.no_grad():
+        module.load_state_dict(saved)  # the notebook goes back to its checkpoint
+    back = link.shipper.prepare(link.shipper.plan({"m": module}))
+    assert back.names or back.updates, "the checkpoint's values must reach the workers"
+
+
 def test_rank_0_sends_back_only_the_state_it_does_not_share_with_the_notebook():
     class Tied(torch.nn.Module):
         def __init__(self):
