@@ -40,7 +40,10 @@ to the baseline. Not a test: nothing asserts on time. Sections (`--sections`, de
             cluster in the same kernel, pulled back from engine 0 (`rc[0].pull`), and its
             weights pushed as numpy arrays (raw buffers: ipyparallel's fastest path). Then the
             kernel's CPU time for the 100 MiB changed-in-place cell at 1, 2 and 4 workers: the
-            kernel sends a value once, so it should not grow with the workers.
+            kernel sends a value once, so it should not grow with the workers. Then the
+            largest model's cells again in a kernel with the write watch off
+            (JUPYTER_SCALE_WRITE_WATCH=0: every tensor hashed whole), and each cell's
+            pull-back time (RunRecord.pullback_seconds) with it on and off.
 - scaling:  cold start and steps/s of torchrun and `%%distribute` automatic mode at 1, 2 and
             4 ranks (batch 64 per rank: the global batch grows with the ranks).
 - recovery: in one kernel per engine, `%%distribute --workers 2` `x = rank` cells: the first
@@ -403,7 +406,7 @@ del model
 """
 
 
-def shipping_cells(sizes: list[int], rounds: int) -> list[str]:
+def shipping_cells(sizes: list[int], rounds: int, kernel_cpu: bool = True) -> list[str]:
     cells = [TIMING + SHIPPING_SETUP,
              "%%distribute --workers 2\nx = 1",  # starts the cluster
              PX_START,
@@ -422,6 +425,8 @@ for _ in range({rounds}):
 del model
 print('BENCH ' + json.dumps({{'size': out}}))
 """)
+    if not kernel_cpu:
+        return cells
     cells.append(f"""
 model = make_model({KERNEL_CPU_MIB})
 per_workers = []
@@ -738,6 +743,24 @@ def section_shipping(args) -> dict:
                  "by hand: push (s)", "pull (s)", "push numpy (s)", "changed x push", "x (push+pull)",
                  "x push numpy"],
                 rows, [0, 3, 3, 2, 3, 1, 0, 3, 3, 3, 2, 2, 2])
+    # The same cells for the largest model with the write watch off (every tensor hashed
+    # whole, as before it), in a kernel of their own.
+    _, text = run_cells(shipping_cells([max(sizes)], args.repeat, kernel_cpu=False),
+                        env={**os.environ, "JUPYTER_SCALE_WRITE_WATCH": "0"})
+    unwatched = next(r["size"] for r in bench_records(text) if "size" in r)
+    watched = next(m for m in medians if m["mib"] == max(sizes))
+    watch_rows = []
+    for label, size_rounds in (("on", [r for r in per_size if r["mib"] == max(sizes)][0]["rounds"]),
+                               ("off (JUPYTER_SCALE_WRITE_WATCH=0)", unwatched["rounds"])):
+        watch_rows.append([label, *(median(r[k]["wall"] for r in size_rounds) for k in ("first", "changed", "unchanged")),
+                           1e3 * median(r["unchanged"]["pullback"] for r in size_rounds),
+                           1e3 * median(r["changed"]["pullback"] for r in size_rounds)])
+    print_table(f"shipping: the write watch (writewatch.py), {max(sizes)} MiB, on and off ({args.repeat} rounds, "
+                "medians, each in a kernel of its own)",
+                ["write watch", "first cell (s)", "changed in place (s)", "unchanged (s)",
+                 "unchanged: pull-back (ms)", "changed: pull-back (ms)"], watch_rows, [0, 3, 3, 3, 1, 1])
+    watched["unwatched"] = {"rounds": unwatched["rounds"], "median": dict(zip(
+        ["first", "changed", "unchanged", "unchanged_pullback_ms", "changed_pullback_ms"], watch_rows[1][1:]))}
     by_workers = {}
     for r in kernel_cpu["kernel_cpu"]:
         by_workers.setdefault(r["workers"], []).append(r)
