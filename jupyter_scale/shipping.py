@@ -651,9 +651,9 @@ class Shipper:
         """The value's structure digest, its tensors' ids, the notebook names its functions
         and classes reach, and the names whose objects it holds (by reference)."""
         file = io.BytesIO()
-        writewatch.watch().start_pass()
         pickler = _StructurePickler(file, tensors, self.namespace, self._named() if named is None else named, value)
-        pickler.dump(value)
+        with writewatch.watch().digest_pass():
+            pickler.dump(value)
         h = xxhash.xxh3_128(file.getvalue())
         h.update(repr(id(value)).encode())  # a new object is a new value, even if equal
         for d in pickler.buffer_digests:
@@ -1095,16 +1095,16 @@ def drop_unchanged(state: dict, notebook: dict[str, tuple]) -> tuple[list[str], 
     made to hash them (id -> (array, meta), for `dumps`)."""
     same, digests, arrays = [], {}, {}
     by_storage: dict[tuple, bytes] = {}  # tied weights are hashed once
-    writewatch.watch().start_pass()
-    for key, tensor in list(state.items()):
-        if not _shippable_tensor(tensor):
-            continue
-        array, meta = arrays[id(tensor)] = _tensor_bytes(tensor)
-        where = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        digest = digests[key] = by_storage.get(where) or by_storage.setdefault(where, _tensor_digest(tensor, array))
-        if notebook.get(key) == (digest, *meta[:2]):
-            same.append(key)
-            del state[key]
+    with writewatch.watch().digest_pass():
+        for key, tensor in list(state.items()):
+            if not _shippable_tensor(tensor):
+                continue
+            array, meta = arrays[id(tensor)] = _tensor_bytes(tensor)
+            where = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            digest = digests[key] = by_storage.get(where) or by_storage.setdefault(where, _tensor_digest(tensor, array))
+            if notebook.get(key) == (digest, *meta[:2]):
+                same.append(key)
+                del state[key]
     return same, digests, arrays
 
 

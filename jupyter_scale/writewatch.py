@@ -13,7 +13,8 @@ NumPy, another thread, a read(2), another process's process_vm_writev.
 What the page tables cannot see is left to the hash: memory that another process or
 the page cache can change under the same pages (anything but private anonymous memory:
 a file's or a memfd's mapping, `share_memory_()`, `torch.load(mmap=True)`), memory a
-device writes by DMA (CUDA's pinned memory), GPU tensors, tensors whose bytes are a
+device writes by DMA (CUDA's pinned memory; and every tensor while any memory of the
+process is pinned: see WriteWatch.digest_pass), GPU tensors, tensors whose bytes are a
 copy (not contiguous), small ones (a hash costs what asking would), and kernels or
 sandboxes without userfaultfd or PROCMAP_QUERY (Linux 6.11+). Two tensors sharing
 memory (views) are watched as one of them; the other is hashed.
@@ -44,7 +45,8 @@ import platform
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -221,23 +223,37 @@ class WriteWatch:
             except OSError:
                 pass
         self._hashed: dict[tuple[int, int], _Hashed] = {}  # span (address, length) -> its pieces
-        self._owned: dict[tuple[int, int], tuple[int, int]] = {}  # span -> the pages watched for it
-        self._trusted = False  # see start_pass
+        self._owned = _Owned()  # the pages watched for each span
+        self._trusted = False  # see digest_pass
         self.hashed_bytes = 0  # bytes read to hash them, for a look at what it saves
 
     @property
     def watching(self) -> bool:
         return self._pages is not None
 
-    def start_pass(self) -> None:
-        """Before the digests of one pass (a plan, a pull-back): whether the page tables
-        can be trusted for them, asked once for them all (~30 us). Until the first call
-        every tensor is hashed."""
+    @contextmanager
+    def digest_pass(self) -> Iterator[None]:
+        """Around the digests of one pass (a plan's value, a pull-back): whether the page
+        tables can be trusted for them, asked once for them all (~30 us) before and after.
+        A page pinned for a device (io_uring's registered buffers, RDMA) is written past
+        them; pinning it takes a write fault, so what matters is memory that stays pinned
+        while it is scanned and protected again: while any is, at either end of a pass,
+        nothing stored is trusted any more. Outside a pass every tensor is hashed."""
+        self._check_pins(start=True)
+        try:
+            yield
+        finally:
+            self._check_pins(start=False)
+
+    def _check_pins(self, start: bool) -> None:
         with self._lock:
             try:
-                self._trusted = self._pages is not None and not self._pages.pinned()
+                pinned = self._pages is None or self._pages.pinned()
             except OSError:
-                self._trusted = False
+                pinned = True
+            if pinned:
+                self._hashed.clear()
+            self._trusted = start and not pinned
 
     def digest(self, tensor: torch.Tensor, array: np.ndarray) -> bytes:
         """The digest of `array`, the bytes of `tensor` (shipping's `_tensor_bytes`)."""
@@ -326,33 +342,69 @@ class WriteWatch:
             try:
                 return [*self._pages.written_since(*pages), *_shared_ends(span, pages)]
             except OSError:  # mapped anew since (no longer registered): claimed again below
-                del self._owned[span]
+                self._owned.release(span)
         pages = _pages_inside(span)
-        if pages is None or not self._claim(span, pages):
+        # Asked first, so that memory that cannot be watched is never protected for nothing.
+        if pages is None or not self._pages.private_anonymous(*pages):
+            return None
+        if not self._owned.claim(span, pages, self._alive):
             return None
         try:
             self._pages.register(*pages)
             self._pages.written_since(*pages)
-            # Asked once registered: a mapping that replaces this one later is not registered.
+            # Asked again once registered: a mapping that replaces this one later is not registered.
             if not self._pages.private_anonymous(*pages):
                 raise OSError("not private anonymous memory")
         except OSError:
-            del self._owned[span]
+            self._owned.release(span)
             return None
         return [(span[0], span[0] + span[1])]  # all of it
 
-    def _claim(self, span: tuple[int, int], pages: tuple[int, int]) -> bool:
-        """Watch `pages` for `span`, unless a tensor that lives has some of them: a scan
-        reports a write once, to one of them."""
-        for other, (start, end) in list(self._owned.items()):
-            if start < pages[1] and pages[0] < end:
-                hashed = self._hashed.get(other)
-                if hashed is not None and not hashed.storage.expired():
-                    return False
-                del self._owned[other]  # its tensor died, or its hash was interrupted
-                self._hashed.pop(other, None)
-        self._owned[span] = pages
+    def _alive(self, span: tuple[int, int]) -> bool:
+        hashed = self._hashed.get(span)
+        if hashed is not None and not hashed.storage.expired():
+            return True
+        self._hashed.pop(span, None)  # its tensor died, or its hash was interrupted
+        return False
+
+
+class _Owned:
+    """Which pages are watched for which span: ranges that never overlap (a scan reports
+    a write once, to one of them), sorted, so that a claim looks at its neighbours only."""
+
+    # Each watched span splits its mapping in up to three (the kernel allows 65530 per process).
+    MOST = 10000
+
+    def __init__(self) -> None:
+        self._pages: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sorted: list[tuple[int, int, tuple[int, int]]] = []  # (start, end, span)
+
+    def get(self, span: tuple[int, int]) -> tuple[int, int] | None:
+        return self._pages.get(span)
+
+    def claim(self, span: tuple[int, int], pages: tuple[int, int], alive: Callable[[tuple[int, int]], bool]) -> bool:
+        """Watch `pages` for `span`, unless spans `alive` says live hold some of them."""
+        at = bisect.bisect_left(self._sorted, (pages[1],))
+        while at > 0 and self._sorted[at - 1][1] > pages[0]:  # the ranges before it that overlap
+            other = self._sorted[at - 1][2]
+            if alive(other):
+                return False
+            self.release(other)
+            at -= 1
+        if len(self._pages) >= self.MOST:
+            return False
+        self._pages[span] = pages
+        bisect.insort(self._sorted, (*pages, span))
         return True
+
+    def release(self, span: tuple[int, int]) -> None:
+        pages = self._pages.pop(span, None)
+        if pages is not None:
+            self._sorted.pop(bisect.bisect_left(self._sorted, (*pages, span)))
+
+    def clear(self) -> None:
+        self._pages.clear()
+        self._sorted.clear()
 
 
 def _pages_inside(span: tuple[int, int]) -> tuple[int, int] | None:
