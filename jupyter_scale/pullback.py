@@ -75,7 +75,7 @@ class Puller:
                     if changed:  # else every entry is the notebook's own: nothing to load
                         with torch.no_grad():
                             module.load_state_dict(value)
-                    targets = module.state_dict(keep_vars=True)
+                    targets = module.state_dict(keep_vars=True) if changed else own
                     hashed = [(targets[key], digest) for key, digest in digests.items() if key in targets]
                     values = {}
                 else:
