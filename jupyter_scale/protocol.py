@@ -58,6 +58,10 @@ class CellRequest(_CellRequired, total=False):
     modules: list[str]  # the notebook's models the cell uses
     digests: dict[str, dict[str, tuple]]  # per module: state dict key -> (digest, dtype, shape) in the notebook
     pull: list[str]
+    deleted: list[str]  # names the notebook deleted: the worker deletes them too
+    stores: list[str]  # names the cell binds at its top level
+    watch: list[str] | None  # rank 0 sends back what the cell changed of these (see statesync)
+    bring_back_bytes: int  # values the cell bound, in all, up to this size come back
     keep_sharded: bool
     auto: bool  # automatic mode
     shard: dict | None  # shard_model's options under --shard, else None

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import shipping, worker, writewatch
+from . import shipping, statesync, worker, writewatch
 from .backends import Backend, Job
+from .export import human_size
 
 if TYPE_CHECKING:
     from .channel import CellChannel
@@ -32,6 +33,7 @@ class Puller:
     timeout: float  # for each chunk's answer
     abandon: Callable[[Job], None]  # stops a chunk's job that failed; the group is then formed anew
     plan: shipping.Plan | None = None  # the cell's: what the notebook's values were as it began
+    bring_back_limit: int = 0  # for the note on values left on the workers
 
     def apply(self, header: CellReply, frames: Sequence, record: RunRecord) -> None:
         """Rank 0's answer to the cell's pulls: each value into the notebook, all or nothing
@@ -40,6 +42,7 @@ class Puller:
         held = None
         values: dict
         hashed: list = []
+        taken: dict = {}  # token -> tensor, of the tensors that came back with a token
         kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
         if kept:
             print(f"jupyter_scale: {listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "
@@ -79,10 +82,14 @@ class Puller:
                     hashed = [(targets[key], digest) for key, digest in digests.items() if key in targets]
                     values = {}
                 else:
-                    # The tensors the notebook sent are written into the notebook's own.
+                    # The tensors the notebook sent are written into the notebook's own, and
+                    # so is each value of the notebook's that the cell changed in place.
                     held = self.shipper.held_tensors() if held is None else held
-                    values = shipping.loads(stream, buffers, namespace=self.namespace, held=held)
-                    self.namespace.update(values)
+                    values, taken = shipping.load_values(names, stream, buffers, self.namespace, held)
+                    adopt = set(header.get("returned", {}).get("adopt", ()))
+                    for name, value in values.items():
+                        if not (name in adopt and name in self.namespace and statesync.adopt(self.namespace[name], value)):
+                            self.namespace[name] = value
             except Exception as exc:  # e.g. the architecture changed, or a class is missing here
                 print(f"jupyter_scale: could not pull {listed(names)} back: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
@@ -96,6 +103,17 @@ class Puller:
                     self.shipper.mark_synced(name, self.namespace[name])
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
+        returned = header.get("returned", {})
+        self.shipper.took_back(taken, returned.get("back", {}).get("count", 0))
+        for name in returned.get("deleted", ()):  # deleted by the cell, as a local run would
+            self.namespace.pop(name, None)
+            self.shipper.forget_name(name)
+        if returned.get("too_big"):
+            sizes = ", ".join(f"{n!r} ({human_size(b)})" for n, b in returned["too_big"].items())
+            print(f"jupyter_scale: {sizes} stay{'s' if len(returned['too_big']) == 1 else ''} on the workers: "
+                  f"over bring_back_limit ({human_size(self.bring_back_limit)}); --pull "
+                  f"{','.join(returned['too_big'])} brings {'it' if len(returned['too_big']) == 1 else 'them'} "
+                  "back", file=sys.stderr, flush=True)
 
     def _sharded(self, name: str, plan: list) -> None:
         """Copy a sharded model's trained weights into the notebook's model, a chunk of

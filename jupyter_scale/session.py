@@ -116,6 +116,12 @@ class ScaleSession(LoggingConfigurable):
                                help="A sharded model comes back to the notebook in chunks of whole tensors of "
                                     "at most this many bytes (one tensor when it is larger), so that no process "
                                     "holds a second whole copy of it.")
+    bring_back_limit = Integer(256 << 20, config=True,
+                               help="A torch cell's effects come back into the notebook from rank 0, as a local run "
+                                    "leaves them: the values it changes in place and the names it binds. Values it "
+                                    "binds that are larger than this many bytes in all (a dataset loaded in the "
+                                    "cell) stay on the workers, and the cell says so; --pull NAME brings one back. "
+                                    "Models always come back.")
     rendezvous_address = Unicode("", config=True,
                                  help="For a cluster across hosts: where the ranks meet, an address of rank 0's "
                                       "host or a network (10.1.0.0/16) to take rank 0's address in. Default: rank "
@@ -145,6 +151,7 @@ class ScaleSession(LoggingConfigurable):
         self.group: dict = {}  # backend, master address/port of the current process group
         self.runs: list[RunRecord] = []
         self.shipper = shipping.Shipper(self.namespace, self._shippable)  # what the workers hold of the notebook's values
+        self._register_back: dict | None = None  # rank 0's tokens of the last values it sent back (see worker)
         self.shared_memory = False  # large frames go through shared memory (see _form_group)
         self._frames_out: sharedmem.SharedFrames | None = None  # the kernel's, for large frames
         self._store_dir: str | None = None  # the one-host group's FileStore lives here
@@ -498,6 +505,7 @@ class ScaleSession(LoggingConfigurable):
         self.group = {}
         self.shared_memory = False
         self.shipper = shipping.Shipper(self.namespace, self._shippable)
+        self._register_back: dict | None = None
         self._group_ready = False
         self._resync = False
 
@@ -724,6 +732,8 @@ class ScaleSession(LoggingConfigurable):
             "names": shipment.names,
             "updates": shipment.updates,
             "forget": shipment.forget,
+            "deleted": shipment.deleted,
+            "stores": shipping.stored_names(code),
             "code": code,
             "filename": f"<distribute-cell-{record.index}>",
             "modules": modules,
@@ -731,6 +741,13 @@ class ScaleSession(LoggingConfigurable):
             "digests": {n: shipping.state_digests(self.namespace[n], plan.tensors) for n in modules
                         if isinstance(self.namespace[n], torch.nn.Module)},
             "pull": pull,
+            # Rank 0 sends back what the cell changed of these and what it bound (torch cells:
+            # see statesync), the values it bound up to this size in all.
+            "watch": names if framework == "torch" else None,
+            "back_base": self.shipper.next_back_token,
+            # The other ranks give their tensors the tokens rank 0 gave its own last cell.
+            "register_back": self._register_back,
+            "bring_back_bytes": self.bring_back_limit,
             "keep_sharded": keep_sharded,
             "auto": not manual,
             "shard": None if shard is False or shard is None else dict(shard) if isinstance(shard, dict) else {},
@@ -953,6 +970,7 @@ class ScaleSession(LoggingConfigurable):
             self._group_ready = False
         if not lost and all(h.get("received") for h in headers.values()):
             self.shipper.commit(shipment)
+            self._register_back = None
         else:
             self.shipper.discard()  # some rank may not hold the new values: send again
         # Names the cell bound on the workers are theirs until the notebook writes them
@@ -988,6 +1006,7 @@ class ScaleSession(LoggingConfigurable):
         self._finish_run(view, record)
         if 0 in headers:
             self._apply_pulls(headers[0], frames_back.get(0, ()), record, plan)
+            self._register_back = headers[0].get("returned", {}).get("back") or self._register_back
 
     def _sync_buffers(self, headers: dict[int, CellReply]) -> None:
         """Automatic mode ends a cell with rank 0's module buffers on every rank (as DDP's
@@ -1087,7 +1106,7 @@ class ScaleSession(LoggingConfigurable):
                      plan: shipping.Plan | None = None) -> None:
         applying = time.perf_counter()
         pullback.Puller(self.namespace, self.shipper, self._calls(), self.pull_chunk_bytes, self.start_timeout,
-                        self._abandon_pull, plan).apply(header, frames, record)
+                        self._abandon_pull, plan, self.bring_back_limit).apply(header, frames, record)
         record.pullback_seconds = header.get("pack_seconds", 0.0) + time.perf_counter() - applying
 
     def _abandon_pull(self, job: Job) -> None:

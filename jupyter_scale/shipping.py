@@ -311,16 +311,25 @@ def _argument_names(args: ast.arguments) -> set[str]:
     return names
 
 
+def _visited(source: str) -> _FreeNames:
+    visitor = _FreeNames()
+    for stmt in ast.parse(source).body:
+        visitor.visit(stmt)
+    return visitor
+
+
+def stored_names(source: str) -> list[str]:
+    """Names `source` binds at its top level (perhaps: in a branch or a loop too)."""
+    return sorted(_visited(source).top_level_stores)
+
+
 def free_names(source: str) -> list[str]:
     """Names `source` reads that it does not bind first, in order of first read.
 
     Builtins are left out unless the cell could only mean a notebook value (the caller
     intersects with the notebook namespace, which shadows builtins the same way).
     """
-    tree = ast.parse(source)
-    visitor = _FreeNames()
-    for stmt in tree.body:
-        visitor.visit(stmt)
+    visitor = _visited(source)
     names = list(visitor.free)
     for name in visitor.deferred_reads:
         if name not in visitor.top_level_stores and name not in names:
@@ -538,6 +547,8 @@ class Shipment:
     forget: list[int] = field(default_factory=list)
     # Names the workers had bound themselves, replaced by a notebook value that changed since.
     replaced: list[str] = field(default_factory=list)
+    # Names the notebook deleted since the workers took its value: deleted there too.
+    deleted: list[str] = field(default_factory=list)
 
 
 class _StructurePickler(_NamespaceFunctions, cloudpickle.Pickler):
@@ -636,6 +647,7 @@ class Shipper:
         self._pending_tensors: dict[int, _Known] = {}
         self._pending_names: dict[str, _NameState] = {}
         self._in_shipment: dict[int, int] = {}  # id -> token, within one prepare()
+        self.next_back_token = -1  # tokens of tensors the workers send back count down from here
 
     def _named(self) -> dict[int, str]:
         """id -> name of the notebook's values that other values may hold (the first name
@@ -740,7 +752,7 @@ class Shipper:
         )
 
     def prepare(self, plan: Plan) -> Shipment:
-        shipment = Shipment(forget=list(self._forgotten))
+        shipment = Shipment(forget=list(self._forgotten), deleted=self._deleted())
         self._pending_tensors, self._pending_names, self._in_shipment = {}, {}, {}
         sent: list[str] = []
         kept: list[str] = []  # held by the workers as the notebook has it
@@ -783,6 +795,13 @@ class Shipper:
                 shipment.tensor_frames.append(True)
                 shipment.nbytes[name] = shipment.nbytes.get(name, 0) + array.nbytes
         return shipment
+
+    def _deleted(self) -> list[str]:
+        """Names the workers hold as the notebook's value (or took over from it) that the
+        notebook has deleted since: a name only the workers ever had stays theirs."""
+        namespace = self.namespace or {}
+        held = [*self._names, *(n for n, owned in self._owned.items() if owned != ("absent",))]
+        return sorted({n for n in held if n not in namespace})
 
     def _pickle(self, plan: Plan, sent: list[str], shipment: Shipment) -> None:
         """The sent names, one after another into one stream, with one memo."""
@@ -834,6 +853,8 @@ class Shipper:
             self._owned.pop(name, None)
         forgotten = set(shipment.forget)
         self._forgotten = [t for t in self._forgotten if t not in forgotten]
+        for name in shipment.deleted:
+            self.forget_name(name)
         self.discard()
 
     def discard(self) -> None:
@@ -878,6 +899,22 @@ class Shipper:
         return all(
             id(obj) in tensors and _shippable_tensor(obj) and (found := planned.tensors.get(id(obj))) is not None
             and found[0] is obj and found[3] == tensors[id(obj)][3] for obj in state.values())
+
+    def took_back(self, tensors: dict[int, torch.Tensor], count: int) -> None:
+        """The notebook took these tensors (token -> tensor) from rank 0's answer, which gave
+        `count` tokens: the workers hold them by those tokens (their digests come with
+        mark_synced); a token given to a tensor the notebook did not take is forgotten."""
+        for token, tensor in tensors.items():
+            self._known[id(tensor)] = _Known(token, weakref.ref(tensor), b"", _tensor_meta(tensor))
+            weakref.finalize(tensor, self._forget, id(tensor), token)
+        self._forgotten.extend(t for t in range(self.next_back_token, self.next_back_token - count, -1)
+                               if t not in tensors)
+        self.next_back_token -= count
+
+    def forget_name(self, name: str) -> None:
+        """`name` is gone from the notebook and from the workers."""
+        self._names.pop(name, None)
+        self._owned.pop(name, None)
 
     def held_tensors(self) -> dict[int, torch.Tensor]:
         """token -> the notebook's tensor, for every tensor the workers hold of the notebook's:
@@ -935,6 +972,8 @@ class Receiver:
         """Apply a Shipment: forget, unpickle the names, update tensors in place."""
         for token in request.get("forget", ()):
             self.tensors.pop(token, None)
+        for name in request.get("deleted", ()):
+            self.namespace.pop(name, None)
         values, at = {}, 0
         names = request.get("names", ())
         if names:  # one stream, one memo: an object two names hold stays one object
@@ -967,7 +1006,11 @@ class Receiver:
                                    "%scale restart starts afresh") from None
         kind, token = pid[0], pid[1]
         if kind == "ref":
-            return self.tensors[token]
+            try:
+                return self.tensors[token]
+            except KeyError:
+                raise RuntimeError("this worker does not hold a tensor the notebook's value shares with it (the "
+                                   "ranks' values differ); %scale restart starts afresh") from None
         meta, buffer = pid[2], pid[3]
         held = self.tensors.get(token) if kind == "update" else None
         if held is not None:
@@ -1032,19 +1075,35 @@ def _write_into(held: torch.Tensor, meta: tuple, buffer) -> torch.Tensor:
 
 class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
     def __init__(self, file, namespace: dict | None, held: dict[int, int] | None, arrays: dict[int, tuple] | None,
-                 buffers: list):
+                 buffers: list, named: dict[int, str] | None = None, same: set[int] = frozenset(),
+                 refuse: Callable[[Any], str | None] | None = None, back: BackTokens | None = None):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self._init_namespace(namespace)
+        self._init_namespace(namespace, named)
         self.held = held or {}
         self.arrays = arrays or {}
+        self.same = same  # ids of held tensors whose bytes the receiver holds already
+        self.refuse = refuse  # why a value met inside must not travel, or None
+        self.back = back  # tokens for the other tensors, which both sides then hold
         self.tensor_buffers: list[pickle.PickleBuffer] = []
+
+    def reducer_override(self, obj):
+        if self.refuse is not None and (why := self.refuse(obj)) is not None:
+            raise TypeError(why)
+        return super().reducer_override(obj)
 
     def persistent_id(self, obj):
         if not _shippable_tensor(obj):
             return self._namespace_ref(obj)
-        array, meta = self.arrays.get(id(obj)) or _tensor_bytes(obj)
-        self.tensor_buffers.append(pickle.PickleBuffer(array))
         token = self.held.get(id(obj))
+        if token is not None and id(obj) in self.same:
+            return ("same", _tensor_meta(obj), token)
+        if token is None and self.back is not None and (token := self.back.given.get(id(obj))) is not None:
+            return ("backref", token)  # met before in this stream: the same tensor
+        array, meta = self.arrays.get(id(obj)) or _tensor_bytes(obj)
+        if token is None and self.back is not None:
+            self.tensor_buffers.append(pickle.PickleBuffer(array))
+            return ("back", meta, self.tensor_buffers[-1], self.back.give(obj))
+        self.tensor_buffers.append(pickle.PickleBuffer(array))
         if token is not None:
             return ("held", meta, self.tensor_buffers[-1], token)
         return ("value", meta, self.tensor_buffers[-1])
@@ -1057,14 +1116,32 @@ class _ValueUnpickler(pickle.Unpickler):
         self.namespace = namespace if namespace is not None else {}
         self.held = held or {}
         self.writes: list[tuple] = []  # into the notebook's tensors, once the whole value loaded
+        self.back: dict[int, torch.Tensor] = {}  # token -> tensor, of the tensors that came with a token
 
     def persistent_load(self, pid):
         if pid[0] == "ns":
             return self.namespace
+        if pid[0] == "back":
+            tensor = self.back[pid[3]] = _build_tensor(pid[1], pid[2], None, self.copy)
+            return tensor
+        if pid[0] == "backref":
+            return self.back[pid[1]]
+        if pid[0] == "name":  # an object the notebook holds as that name
+            return self.namespace[pid[1]]
+        if pid[0] == "same":  # the notebook's tensor, whose bytes did not change
+            self.writes.append((self.held[pid[2]], pid[1], None))
+            return self.held[pid[2]]
         if pid[0] == "held" and pid[3] in self.held:
             self.writes.append((self.held[pid[3]], pid[1], pid[2]))
             return self.held[pid[3]]
         return _build_tensor(pid[1], pid[2], None, self.copy)
+
+    def apply_writes(self) -> None:
+        for tensor, meta, buffer in self.writes:
+            if buffer is not None:
+                _write_into(tensor, meta, buffer)
+            elif tensor.is_leaf and tensor.requires_grad != meta[2]:
+                tensor.requires_grad_(meta[2])
 
 
 def dumps(value: Any, namespace: dict | None = None, held: dict[int, int] | None = None,
@@ -1118,6 +1195,57 @@ def loads(stream, buffers, copy: bool = True, namespace: dict | None = None,
     written only once the whole value loaded: a value that fails to load changes nothing."""
     unpickler = _ValueUnpickler(io.BytesIO(stream), list(buffers), copy, namespace, held)
     value = unpickler.load()
-    for tensor, meta, buffer in unpickler.writes:
-        _write_into(tensor, meta, buffer)
+    unpickler.apply_writes()
     return value
+
+
+class BackTokens:
+    """Tokens for the tensors of values sent back that the notebook did not send: counted
+    down from `base` (the kernel's tokens count up), in the order a pickle meets them, so
+    that every rank walking its own values alike gives its own tensors the same tokens."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.given: dict[int, int] = {}  # id -> token
+        self.tensors: dict[int, torch.Tensor] = {}  # token -> tensor
+
+    def give(self, tensor: torch.Tensor) -> int:
+        token = self.given[id(tensor)] = self.base - len(self.given)
+        self.tensors[token] = tensor
+        return token
+
+
+def dump_values(values: dict[str, Any], namespace: dict, held: dict[int, int], *, named: dict[int, str],
+                same: set[int] = frozenset(), refuse: Callable[[Any], str | None] | None = None,
+                back: BackTokens | None = None) -> tuple[list, list[bool], dict[str, int]]:
+    """Frames of `values` (name -> value) in one stream with one memo, for `load_values`:
+    an object two of them hold stays one. An object of `named` (id -> the name the receiver
+    holds it as) is a reference to the receiver's, but where it is that name's value dumped.
+    Tensors as in `dumps`; a held one in `same` goes without its bytes. Also: each value's
+    bytes. Raises TypeError with `refuse`'s reason for an object that must not travel. With
+    `back`, the tensors not `held` get tokens from it."""
+    buffers: list[pickle.PickleBuffer] = []
+    file = io.BytesIO()
+    pickler = _ValuePickler(file, namespace, held, None, buffers, named, same, refuse, back)
+    sizes = {}
+    for name, value in values.items():
+        start, first = file.tell(), len(buffers)
+        # By value where it is the receiver's object under this very name (to be written into
+        # it), else a reference when the receiver holds it (another name's object).
+        pickler.inline = {id(value)} if named.get(id(value)) == name else set()
+        pickler.dump(value)
+        sizes[name] = file.tell() - start + sum(b.raw().nbytes for b in buffers[first:])
+    tensor_buffers = {id(b) for b in pickler.tensor_buffers}
+    return ([file.getvalue(), *(b.raw() for b in buffers)], [False, *(id(b) in tensor_buffers for b in buffers)],
+            sizes)
+
+
+def load_values(names: list[str], stream, buffers, namespace: dict,
+                held: dict[int, torch.Tensor]) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+    """The values of `dump_values`' frames, by name, and the tensors that came with a token
+    (token -> tensor); tensors written into the notebook's held ones only once every value
+    loaded (a value that fails to load changes nothing)."""
+    unpickler = _ValueUnpickler(io.BytesIO(stream), list(buffers), True, namespace, held)
+    values = {name: unpickler.load() for name in names}
+    unpickler.apply_writes()
+    return values, unpickler.back

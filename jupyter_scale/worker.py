@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import channel, frameworks, launchers, rendezvous, sharedmem, shipping, training
+from . import channel, frameworks, launchers, rendezvous, sharedmem, shipping, statesync, training
 from .metrics import EventSink, Recorder
 from .protocol import CellRequest, Described, Layout
 
@@ -473,9 +473,12 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     rank = _state.rank
     received = False
     before = None  # the namespace's bindings when the cell's code started
+    snapshot = None  # rank 0's digests of what the cell can reach (see statesync)
     buffers = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
+    if rank != 0 and request.get("register_back"):
+        _register_back(request["register_back"])
     framework = request.get("framework", "torch")
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready and framework == "torch"
     mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, overlap=request.get("overlap", False))
@@ -518,6 +521,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")
+            if rank == 0 and request.get("watch") is not None:
+                snapshot = statesync.Snapshot(_state.namespace, request["watch"])
             before = _bindings()
             with _as_main():
                 exec(code, _state.namespace)
@@ -548,22 +553,31 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
         }
         with _sigint_ignored():
             counts = _close_events(sink, "failed", error=failure["etype"])
+            rebound = _rebound(before) if before is not None else []
+            if snapshot is not None:  # what the cell changed before it failed is the workers' own now
+                rebound = sorted({*rebound, *snapshot.changed(rebound)[0]})
         return ({"status": "error", "rank": rank, "failure": failure, "group_ready": False,
-                 "received": received, "elapsed": failed_at - started,
-                 "rebound": _rebound(before) if before is not None else [], **counts},)
+                 "received": received, "elapsed": failed_at - started, "rebound": rebound, **counts},)
     _flush()
     import torch.distributed as dist
 
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
+    # A name the cell assigned counts as bound even when it holds the object it held before
+    # (an interned string, a small int): the notebook may not hold it.
+    rebound = sorted({*_rebound(before), *(n for n in request.get("stores", ()) if n in _state.namespace
+                                           and n not in INJECTED_NAMES)})
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
-              "elapsed": time.time() - started, "buffers": buffers, "rebound": _rebound(before),
+              "elapsed": time.time() - started, "buffers": buffers, "rebound": rebound,
               **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
         tensor_frames: list[bool] = []
         packing = time.perf_counter()
-        header["pulled"], header["pull_errors"], header["state_digests"] = _pack_pulls(request, out_frames,
-                                                                                       tensor_frames)
+        back = _Return(request, snapshot, header["rebound"])
+        header["pulled"], header["pull_errors"], header["state_digests"] = back.pack(out_frames, tensor_frames)
+        header["returned"] = back.returned
+        # What changed and stays here is the workers' own, as what the cell bound is.
+        header["rebound"] = sorted({*header["rebound"], *back.returned["left"]})
         header["pack_seconds"] = time.perf_counter() - packing
         if request.get("pull_through") and _state.frames_out is not None:  # the kernel reads ours
             _state.frames_out.keep = request["pull_through"]
@@ -619,93 +633,170 @@ def sync_buffers(names: list[str]) -> None:
     training.broadcast_buffers(_state.namespace, names)
 
 
-def _pack_pulls(request: dict, out_frames: list, tensor_frames: list) -> tuple[list, dict, dict]:
-    """Rank 0's module weights and --pull values, as (names, kind, frame count); what could
-    not be packed; and per module, the state dict keys left out (the notebook holds their
-    bytes) and every tensor's digest.
+class _Return:
+    """What rank 0 sends back after a cell (see statesync for the model): the notebook's
+    modules the cell used (their weights, as state dicts: only the tensors the notebook does
+    not hold already), every value the cell changed in place or bound, and the `--pull`
+    names. A module whose structure changed (its mode, a frozen parameter) travels whole.
+    Each entry of `pack`'s list is (names, kind, frame count)."""
 
-    Modules travel as state dicts, one each; the --pull values as one dict, so that an
-    object two of them hold (a scheduler's optimizer) stays one, and a tensor the
-    notebook sent marked as the notebook's (an optimizer's parameters are the notebook
-    model's). A name that cannot be packed is reported by name; it never fails the cell.
-    A sharded module sends only the plan of its state dict: the kernel then asks every
-    rank for its whole tensors a chunk at a time (`whole_tensors`), so that no process
-    ever holds all of it at once.
-    """
-    from torch.nn.parallel import DistributedDataParallel
+    def __init__(self, request: dict, snapshot: statesync.Snapshot | None, rebound: list[str]) -> None:
+        self.request, self.snapshot, self.ns = request, snapshot, _state.namespace
+        self.pull = list(request.get("pull", []))
+        changed, self.wrapped, self.now = snapshot.changed(rebound) if snapshot is not None else ([], [], {})
+        self.changed = set(changed)
+        self.rebound = [n for n in rebound if n not in self.wrapped]
+        self.pulled: list = []
+        self.errors: dict[str, str] = {}
+        self.state_digests: dict = {}
+        self.returned: dict = {"adopt": [], "deleted": [n for n in self.rebound if n not in self.ns], "left": {},
+                               "too_big": {}}
+        self.same: set[int] = snapshot.unchanged_tensors(self.now) if snapshot is not None else set()
 
-    ns = _state.namespace
-    pulled, errors, state_digests = [], {}, {}
-
-    def packed(value, held=None, arrays=None):
-        try:
-            return shipping.dumps(value, ns, held, arrays)
-        except Exception as exc:  # pickling raises many types
-            return f"cannot be sent back: {type(exc).__name__}: {exc}"
-
-    values = {}
-    for name in [*request.get("modules", []), *request.get("pull", [])]:
-        if name not in ns:
-            errors[name] = "is not defined on the workers"
-            continue
-        value = ns[name]
-        if isinstance(value, DistributedDataParallel):
-            value = value.module  # the wrapper holds a process group; the model travels
-        if name in request.get("pull", []):
-            if _holds_shards(value):
-                errors[name] = ("holds sharded tensors, this rank's part of them: save a checkpoint "
-                                "(jupyter_scale.save_checkpoint) and load it in the notebook instead")
+    def pack(self, out_frames: list, tensor_frames: list) -> tuple[list, dict, dict]:
+        values: dict[str, Any] = {}
+        for name in self.request.get("modules", []):
+            if name not in self.ns:
+                if name not in self.returned["deleted"]:
+                    self.errors[name] = "is not defined on the workers"
                 continue
-            values[name] = value
-            continue
+            if name in self.pull or (name in self.rebound and name not in self.wrapped):
+                continue  # by value, below
+            self._module(name, statesync.unwrap(self.ns[name]), values, out_frames, tensor_frames)
+        for name in self.pull:
+            if name not in self.ns:
+                self.errors[name] = "is not defined on the workers"
+            elif _holds_shards(self.ns[name]):
+                self.errors[name] = ("holds sharded tensors, this rank's part of them: save a checkpoint "
+                                     "(jupyter_scale.save_checkpoint) and load it in the notebook instead")
+            else:
+                values[name] = statesync.unwrap(self.ns[name])
+        if self.snapshot is not None:
+            for name in sorted(self.changed - set(values) - set(self.request.get("modules", []))):
+                values[name] = self.ns[name]
+            for name in self.rebound:
+                if name in self.ns and name not in values:
+                    value = statesync.unwrap(self.ns[name])  # a model the cell made and wrapped: the model
+                    if statesync.per_rank_reason(value) is not None or _holds_shards(value):
+                        self.returned["left"][name] = "its rank's own"
+                    else:
+                        values[name] = value
+        if values:
+            self._values(values, out_frames, tensor_frames)
+        return self.pulled, self.errors, self.state_digests
+
+    def _module(self, name: str, value: Any, values: dict, out_frames: list, tensor_frames: list) -> None:
         kind = frameworks.is_model(value)
         if kind not in ("torch", None) and (group := frameworks.formed(kind)) is not None:
-            frames = packed(group.weights(value))
-            if isinstance(frames, str):
-                errors[name] = frames
-                continue
-            out_frames.extend(frames[0])
-            tensor_frames.extend(frames[1])
-            pulled.append(([name], f"{kind}_weights", len(frames[0])))
-            continue
+            frames = self._packed(name, value, lambda: shipping.dumps(group.weights(value), self.ns))
+            if frames is not None:
+                self._add([name], f"{kind}_weights", frames, out_frames, tensor_frames)
+            return
         if kind is None:
-            errors[name] = f"is no longer a model on the workers ({type(value).__name__})"
-            continue
+            self.errors[name] = f"is no longer a model on the workers ({type(value).__name__})"
+            return
         if kind != "torch":
-            errors[name] = f"is a {kind} model, and no {kind} group ran this cell (--framework {kind})"
-            continue
+            self.errors[name] = f"is a {kind} model, and no {kind} group ran this cell (--framework {kind})"
+            return
         if training.is_sharded_model(value):
-            if request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was
-                pulled.append(([name], "kept", 0))
+            if self.request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was
+                self.pulled.append(([name], "kept", 0))
             else:
-                pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
-            continue
+                self.pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
+            return
+        notebook = self.request.get("digests", {}).get(name, {})
+        if name in self.changed:  # its structure changed: whole, but for the tensors the notebook holds
+            state = value.state_dict(keep_vars=True)
+            same, _, _ = shipping.drop_unchanged(dict(state), notebook)
+            self.same.update(id(state[key]) for key in same)
+            values[name] = value
+            return
         # Only what the notebook does not hold already: an unchanged model costs a hash.
         state = value.state_dict()
-        same, digests, arrays = shipping.drop_unchanged(state, request.get("digests", {}).get(name, {}))
-        frames = packed(state, arrays=arrays)
-        if isinstance(frames, str):
-            errors[name] = frames
-            continue
+        same, digests, arrays = shipping.drop_unchanged(state, notebook)
+        frames = self._packed(name, state, lambda: shipping.dumps(state, self.ns, None, arrays))
+        if frames is not None:
+            self._add([name], "state_dict", frames, out_frames, tensor_frames)
+            self.state_digests[name] = (same, digests)
+
+    def _packed(self, name: str, value: Any, dump) -> tuple | None:
+        try:
+            return dump()
+        except Exception as exc:  # pickling raises many types
+            self.errors[name] = f"cannot be sent back: {type(exc).__name__}: {exc}"
+            return None
+
+    def _add(self, names: list, kind: str, frames: tuple, out_frames: list, tensor_frames: list) -> None:
         out_frames.extend(frames[0])
         tensor_frames.extend(frames[1])
-        pulled.append(([name], "state_dict", len(frames[0])))
-        state_digests[name] = (same, digests)
-    if values:
+        self.pulled.append((names, kind, len(frames[0])))
+
+    def _values(self, values: dict, out_frames: list, tensor_frames: list) -> None:
+        """Every value in one stream (an object two of them hold stays one); one that cannot
+        travel is named (a --pull name) or left on the workers (a name the cell touched), and
+        values the cell bound past the size limit stay too."""
         held = {id(t): token for token, t in _state.receiver.tensors.items()}
-        frames = packed(values, held)
-        if isinstance(frames, str):  # find the ones that cannot travel; the others go together
+        named = self.snapshot.named if self.snapshot is not None else {}
+        base = self.request.get("back_base")
+        back = None
+
+        def dump(chosen: dict):
+            nonlocal back
+            back = shipping.BackTokens(base) if base is not None else None
+            return shipping.dump_values(chosen, self.ns, held, named=named, same=self.same,
+                                        refuse=statesync.per_rank_reason, back=back)
+
+        try:
+            frames = dump(values)
+        except Exception:  # find the ones that cannot travel; the others go together
             for name in list(values):
-                problem = packed(values[name])
-                if isinstance(problem, str):
-                    errors[name] = problem
+                try:
+                    dump({name: values[name]})
+                except Exception as exc:  # pickling raises many types
+                    self._cannot(name, f"cannot be sent back: {type(exc).__name__}: {exc}")
                     del values[name]
-            frames = packed(values, held) if values else None
+            frames = dump(values) if values else None
+        limit = self.request.get("bring_back_bytes")
+        if frames is not None and limit is not None:
+            bound = {n: size for n, size in frames[2].items()
+                     if n not in self.pull and n not in named and not isinstance(values[n], torch.nn.Module)}
+            while bound and sum(bound.values()) > limit:
+                name = max(bound, key=bound.__getitem__)
+                self.returned["too_big"][name] = bound.pop(name)
+                self.returned["left"][name] = "over the size limit"
+                del values[name]
+            if self.returned["too_big"]:
+                frames = dump(values) if values else None
         if frames is not None:
-            out_frames.extend(frames[0])
-            tensor_frames.extend(frames[1])
-            pulled.append((list(values), "values", len(frames[0])))
-    return pulled, errors, state_digests
+            self._add(list(values), "values", frames[:2], out_frames, tensor_frames)
+            self.returned["adopt"] = [n for n in values if named.get(id(values[n])) == n]
+            if back is not None and back.tensors:  # the other ranks give theirs these tokens next cell
+                _state.receiver.tensors.update(back.tensors)
+                self.returned["back"] = {"names": list(values), "named": sorted(set(named.values())),
+                                         "base": base, "count": len(back.tensors)}
+
+    def _cannot(self, name: str, why: str) -> None:
+        if name in self.pull:
+            self.errors[name] = why
+        else:
+            self.returned["left"][name] = why
+
+
+def _register_back(back: dict) -> None:
+    """Give this rank's tensors the tokens rank 0 gave its own when it sent the last cell's
+    values back: the same walk over this rank's values of the same names. A rank whose values
+    differ (another count of tensors) keeps none of them."""
+    ns = _state.namespace
+    named = {id(ns[n]): n for n in back["named"] if n in ns}
+    tokens = shipping.BackTokens(back["base"])
+    held = {id(t): token for token, t in _state.receiver.tensors.items()}
+    try:
+        shipping.dump_values({n: statesync.unwrap(ns[n]) for n in back["names"] if n in ns}, ns, held, named=named,
+                             refuse=statesync.per_rank_reason, back=tokens)
+    except Exception:  # pickling raises many types; this rank's values are not rank 0's
+        return
+    if len(tokens.tensors) == back["count"]:
+        _state.receiver.tensors.update(tokens.tensors)
 
 
 def _holds_shards(value) -> bool:

@@ -105,13 +105,12 @@ def test_same_as_local(k, case):
     assert distributed == local
 
 
-def test_notebook_objects_mutated_on_the_workers_are_not_mutated_in_the_notebook(k):
-    """The documented difference: the workers hold copies of the notebook's objects."""
-    k.ok("ledger = []")
+def test_notebook_objects_mutated_on_the_workers_come_back_into_the_notebooks_objects(k):
+    """As a local run: rank 0's changes land in the notebook's own object (others holding it see
+    them), and the names the cell binds come back without --pull."""
+    k.ok("ledger = []\nbook = {'ledger': ledger}")
     k.ok("%%distribute\nledger.append(rank)\nledger_len = len(ledger)")
-    assert k.value("ledger") == []  # locally it would be [0]
-    k.ok("%%distribute --pull ledger_len\npass")
-    assert k.value("ledger_len") == 1
+    assert k.value("(ledger, book['ledger'] is ledger, ledger_len)") == ([0], True, 1)
 
 
 def test_model_used_only_inside_a_notebook_function_is_pulled_back(k):
@@ -151,8 +150,7 @@ def test_a_pulled_optimizer_and_scheduler_drive_the_notebooks_model(k):
          "assert not torch.equal(before, po_model.weight), 'the pulled optimizer steps another model'")
 
 
-def test_a_stale_notebook_value_does_not_replace_newer_worker_state(k):
-    """Last writer wins: a scheduler the workers rebuilt and stepped stays theirs."""
+def test_a_scheduler_the_workers_rebuilt_comes_back_and_a_later_notebook_one_goes_out(k):
     k.ok("""
 sched_model = nn.Linear(2, 1)
 sched_opt = torch.optim.SGD(sched_model.parameters(), lr=1.0)
@@ -165,27 +163,25 @@ for _ in range(3):
     sched_opt.step()
     sched.step()
 """)
-    out = k.ok("%%distribute --pull sched_state\nsched_state = (sched.get_last_lr()[0], sched.last_epoch)")
-    assert "replace" not in out.stderr
-    assert k.value("sched_state") == (0.125, 3)
-    # The notebook rebinds it: now the notebook's value wins, and the cell says so.
+    assert k.value("(sched.get_last_lr()[0], sched.last_epoch, sched.optimizer is sched_opt)") == (0.125, 3, True)
+    assert k.value("sched_opt.param_groups[0]['params'][0] is sched_model.weight") is True
     k.ok("sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)")
-    out = k.ok("%%distribute --pull sched_state\nsched_state = (sched.get_last_lr()[0], sched.last_epoch)")
-    assert "the notebook's 'sched' replaces the workers'" in out.stderr, out.stderr
-    assert k.value("sched_state") == (1.0, 0)
+    out = k.ok("%%distribute\nsched_state = (sched.get_last_lr()[0], sched.last_epoch)")
+    assert "replace" not in out.stderr  # the workers held the notebook's value: nothing of theirs is lost
+    assert k.value("sched_state") == (0.125, 0)  # a new StepLR over the stepped optimizer
 
 
-def test_a_name_the_cell_defined_then_the_notebook_defines_is_sent_with_a_note(k):
-    k.ok("%%distribute\nfresh_lr = 0.5")
-    k.ok("fresh_lr = 0.01")
-    out = k.ok("%%distribute --pull seen_lr\nseen_lr = fresh_lr")
-    assert "the notebook's 'fresh_lr' replaces the workers'" in out.stderr, out.stderr
-    assert k.value("seen_lr") == 0.01
+def test_a_name_left_on_the_workers_then_defined_in_the_notebook_is_sent_with_a_note(k):
+    """A DataLoader is each rank's own (split across them): it stays on the workers."""
+    k.ok("%%distribute\nfresh_loader = DataLoader(list(range(8)), batch_size=2)")
+    assert k.value("'fresh_loader' in globals()") is False
+    k.ok("fresh_loader = DataLoader(list(range(4)), batch_size=4)")
+    out = k.ok("%%distribute\nseen_batches = len(fresh_loader)")
+    assert "the notebook's 'fresh_loader' replaces the workers'" in out.stderr, out.stderr
+    assert k.value("seen_batches") == 1
     # Unchanged since: the workers' value stands, nothing is said.
-    out = k.ok("%%distribute --pull seen_lr\nfresh_lr = fresh_lr * 2\nseen_lr = fresh_lr")
-    out = k.ok("%%distribute --pull seen_lr\nseen_lr = fresh_lr")
+    out = k.ok("%%distribute\nseen_batches = len(fresh_loader)")
     assert "replace" not in out.stderr
-    assert k.value("seen_lr") == 0.02
 
 
 def test_init_process_group_imported_by_name_is_a_no_op(k):

@@ -1,0 +1,260 @@
+"""The state model: after every cell the notebook holds what a local run would have left.
+
+A cell run locally leaves two kinds of effect in the notebook: the names it binds, rebinds
+or deletes, and the changes it makes in place to the objects it reaches (a model's weights
+and mode, a parameter's `requires_grad`, an optimizer's hyperparameters and state, a
+scheduler's step, a list it appends to). A distributed cell runs on the workers' copies, so
+both come back from rank 0:
+
+- As the cell starts, rank 0 takes a digest of every notebook name the cell can reach (the
+  kernel's plan: the names it reads, those its notebook functions read, those other values
+  hold): the value's structure and its tensors' bytes (`Snapshot`). A module's digest is
+  its structure alone (`module_signature`): its weights come back by their own, cheaper
+  path (the state dict, only the tensors that differ).
+- After the cell, a name whose digest moved was changed in place: its value is sent back
+  and written into the notebook's own object (`adopt`), so that everything else in the
+  notebook holding that object sees it too. A name the cell bound comes back as its value;
+  one it deleted is deleted.
+- What does not come back stays the workers' own, and the kernel knows it (the next cell
+  uses the workers' value until the notebook writes the name): per-rank objects (a
+  DataLoader split across ranks, a DDP wrapper; see `PER_RANK`), wrappers around a notebook
+  model (`torch.compile`, DDP: the weights come back into the notebook's module, whose name
+  keeps the notebook's object), values that cannot be pickled, and values the cell bound
+  that are larger than the session's `bring_back_limit` (said in one line).
+
+The kernel then records that the workers hold what the notebook holds, so the next cell
+sends exactly the names whose notebook value differs from it: a value set back to an earlier
+one, a flag flipped back, an optimizer's learning rate edited (its state, which came back,
+travels with it).
+"""
+
+from __future__ import annotations
+
+import io
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from . import shipping, writewatch
+
+
+def _per_rank_types() -> tuple[type, ...]:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, Sampler
+
+    return (DataLoader, Sampler, DistributedDataParallel)
+
+
+def per_rank_reason(value: Any) -> str | None:
+    """Why `value` (met anywhere inside a value going back) belongs to its rank, or None."""
+    for kind in _per_rank_types():
+        if isinstance(value, kind):
+            return f"holds a {type(value).__name__}, which is each rank's own"
+    if type(value).__name__ == "OptimizedModule":
+        return "is a torch.compile wrapper (its weights come back into the module it wraps)"
+    return None
+
+
+def unwrap(value: Any) -> Any:
+    """The module inside the wrappers a cell may put around one (torch.compile, DDP)."""
+    for _ in range(8):
+        if type(value).__name__ == "OptimizedModule" and isinstance(getattr(value, "_orig_mod", None), torch.nn.Module):
+            value = value._orig_mod
+        elif isinstance(value, torch.nn.parallel.DistributedDataParallel):
+            value = value.module
+        else:
+            return value
+    return value
+
+
+# --------------------------------------------------------------------------------------
+# Rank 0: what the cell changed
+# --------------------------------------------------------------------------------------
+
+
+# What wrapping a module writes on it (torch.compile): the wrapper's, not the module's state.
+_WRAPPER_MARKS = {"_is_torch_compile"}
+
+
+def module_signature(module: torch.nn.Module) -> bytes:
+    """A digest of a module's structure, not its weights' bytes: each submodule's type and
+    attributes (by identity, so a replaced attribute counts), training flag, and each
+    parameter's and buffer's identity, shape, dtype and `requires_grad`. What it misses: a
+    container attribute changed in place (a list the module keeps, appended to)."""
+    h = xxhash.xxh3_128()
+    for path, sub in module.named_modules(remove_duplicate=False):
+        h.update(f"|{path}:{type(sub).__qualname__}:{id(sub)}:{sub.training}".encode())
+        for key, value in sub.__dict__.items():
+            if key in ("_parameters", "_buffers"):
+                for name, t in value.items():
+                    meta = None if t is None else (id(t), t.requires_grad, tuple(t.shape), t.dtype)
+                    h.update(f"{key}.{name}:{meta}".encode())
+            elif key == "_modules":
+                h.update(repr(list(value)).encode())
+            elif key not in _WRAPPER_MARKS:
+                h.update(f"{key}:{id(value)}".encode())
+    return h.digest()
+
+
+class Snapshot:
+    """Rank 0's digests of the names a cell can reach, taken as it starts (`names` that the
+    namespace holds), and their tensors' digests (id -> digest)."""
+
+    def __init__(self, namespace: dict, names: Iterable[str]) -> None:
+        self.namespace = namespace
+        self.ids = {n: id(namespace[n]) for n in names if n in namespace}
+        self.named = self._named()
+        self.tensor_digests: dict[int, bytes] = {}
+        self.digests = {n: self._digest(namespace[n], self.tensor_digests) for n in self.ids}
+
+    def _named(self) -> dict[int, str]:
+        """id -> name of the notebook's objects the workers hold as that same object now."""
+        named: dict[int, str] = {}
+        for name, ident in self.ids.items():
+            value = self.namespace.get(name)
+            if value is not None and id(value) == ident and shipping._shared_by_identity(value, self.namespace):
+                named.setdefault(ident, name)
+        return named
+
+    def _digest(self, value: Any, tensor_digests: dict[int, bytes]) -> bytes | None:
+        if isinstance(value, torch.nn.Module):
+            return module_signature(value)
+        tensors: dict = {}
+        file = io.BytesIO()
+        pickler = shipping._StructurePickler(file, tensors, self.namespace, self.named, value)
+        try:
+            with writewatch.watch().digest_pass():
+                pickler.dump(value)
+        except Exception:  # cannot be pickled (it travelled, so the cell made it so): changed
+            return None
+        h = xxhash.xxh3_128(file.getvalue())
+        for d in pickler.buffer_digests:
+            h.update(d)
+        for key in pickler.keys:
+            tensor_digests[key] = tensors[key][2]
+            h.update(tensors[key][2])
+        return h.digest()
+
+    def changed(self, rebound: Iterable[str]) -> tuple[list[str], list[str], dict[int, bytes]]:
+        """After the cell: the names whose object it changed in place; the names it rebound to
+        a wrapper around their object (`unwrap`), whose object is compared instead; and the
+        tensors reached from them, with their digests now."""
+        rebound = set(rebound)
+        now: dict[int, bytes] = {}
+        changed, wrapped = [], []
+        for name, ident in self.ids.items():
+            value = self.namespace.get(name)
+            if id(value) != ident:
+                if name not in rebound or id(unwrap(value)) != ident:
+                    continue
+                wrapped.append(name)
+            digest = self._digest(unwrap(value), now)
+            if digest is None or digest != self.digests[name]:
+                changed.append(name)
+        return changed, wrapped, now
+
+    def unchanged_tensors(self, now: dict[int, bytes]) -> set[int]:
+        """Ids of the tensors whose bytes the cell did not change (the notebook holds them)."""
+        return {key for key, digest in now.items() if self.tensor_digests.get(key) == digest}
+
+
+# --------------------------------------------------------------------------------------
+# The kernel: rank 0's value into the notebook's object
+# --------------------------------------------------------------------------------------
+
+_ATOMS = (int, float, complex, str, bytes, bool, type(None), frozenset, range)
+# Values that are never written into: code, classes and modules travel by reference or
+# are rebuilt whole, and the notebook keeps its own.
+_NOT_MERGED = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+               torch.dtype, torch.device)
+
+
+def adopt(old: Any, new: Any) -> bool:
+    """Write rank 0's `new` into the notebook's `old` in place, keeping the identity of `old`
+    and of every object inside it that has a counterpart in `new` (a list's items, a dict's
+    values, an object's attributes, a module's submodules, an optimizer's state tensors).
+    False when `old` cannot take it (another type, an immutable value that differs, an object
+    without a `__dict__`): the caller binds `new` instead."""
+    return _Merge().into(old, new)
+
+
+class _Merge:
+    def __init__(self) -> None:
+        self.done: dict[tuple[int, int], bool] = {}
+
+    def into(self, old: Any, new: Any) -> bool:
+        if old is new:
+            return True
+        if type(old) is not type(new):
+            return False
+        if isinstance(old, _ATOMS):
+            return old == new or (old != old and new != new)  # NaN is itself
+        key = (id(old), id(new))
+        if key in self.done:
+            return self.done[key]
+        self.done[key] = True  # a cycle back here: assume it fits while it is merged
+        self.done[key] = result = self._merge(old, new)
+        return result
+
+    def _kept(self, old: Any, new: Any) -> Any:
+        """`old`, with `new` written into it when it can take it; else `new`."""
+        return old if self.into(old, new) else new
+
+    def _merge(self, old: Any, new: Any) -> bool:
+        if isinstance(old, _NOT_MERGED):
+            return False
+        if isinstance(old, torch.Tensor):
+            return _tensor_into(old, new)
+        if isinstance(old, np.ndarray):
+            if old.shape != new.shape or old.dtype != new.dtype or not old.flags.writeable:
+                return False
+            old[...] = new
+            return True
+        if isinstance(old, tuple):
+            return len(old) == len(new) and all(self.into(o, n) for o, n in zip(old, new))
+        if isinstance(old, list):
+            old[:] = [self._kept(old[i], n) if i < len(old) else n for i, n in enumerate(new)]
+        elif isinstance(old, dict):
+            merged = {k: self._kept(old[k], v) if k in old else v for k, v in new.items()}
+            old.clear()
+            old.update(merged)
+        elif isinstance(old, set):
+            old.clear()
+            old.update(new)
+        elif isinstance(old, bytearray):
+            old[:] = new
+        elif not hasattr(old, "__dict__"):
+            return False
+        else:
+            return self._attributes(old, new)
+        # A container written: a subclass's own attributes too
+        return self._attributes(old, new) if hasattr(old, "__dict__") else True
+
+    def _attributes(self, old: Any, new: Any) -> bool:
+        cls = type(new)
+        custom_state = cls.__getstate__ is not object.__getstate__
+        state = new.__getstate__() if custom_state else new.__dict__
+        if not isinstance(state, dict):
+            return False
+        merged = {k: self._kept(old.__dict__[k], v) if k in old.__dict__ else v for k, v in state.items()}
+        if hasattr(cls, "__setstate__"):
+            old.__setstate__(merged)  # the class rebuilds what its pickle leaves out (an optimizer's hooks)
+        elif custom_state:
+            old.__dict__.update(merged)
+        else:  # the whole __dict__ travelled: an attribute deleted on the workers goes here too
+            old.__dict__.clear()
+            old.__dict__.update(merged)
+        return True
+
+
+def _tensor_into(old: torch.Tensor, new: torch.Tensor) -> bool:
+    if old.shape != new.shape or old.dtype != new.dtype or old.layout != new.layout or not old.is_leaf:
+        return False
+    with torch.no_grad():
+        old.copy_(new)
+    old.requires_grad_(new.requires_grad)
+    return True
