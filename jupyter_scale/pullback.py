@@ -87,9 +87,13 @@ class Puller:
                     held = self.shipper.held_tensors() if held is None else held
                     values, taken = shipping.load_values(names, stream, buffers, self.namespace, held)
                     adopt = set(header.get("returned", {}).get("adopt", ()))
-                    for name, value in values.items():
-                        if not (name in adopt and name in self.namespace and statesync.adopt(self.namespace[name], value)):
+                    for key, value in values.items():
+                        name = key.removeprefix(statesync.BEFORE)
+                        if key in adopt and name in self.namespace and statesync.adopt(self.namespace[name], value):
+                            continue
+                        if key == name:  # a name's object as the cell started that cannot take it stays as it was
                             self.namespace[name] = value
+                    names = [n for n in names if not n.startswith(statesync.BEFORE)]
             except Exception as exc:  # e.g. the architecture changed, or a class is missing here
                 print(f"jupyter_scale: could not pull {listed(names)} back: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from . import (
     sharedmem,
     shipping,
     sinks,
+    statesync,
     worker,
 )
 from .backends import Backend, Job, create_backend, descendants, end_processes, find_connection
@@ -1002,11 +1003,25 @@ class ScaleSession(LoggingConfigurable):
         self._resync = self._resync and manual  # an automatic cell equalized the models
         if not manual:
             self._sync_buffers(headers)
+            self._say_disagreements(headers)
         record.status = "finished"
         self._finish_run(view, record)
         if 0 in headers:
             self._apply_pulls(headers[0], frames_back.get(0, ()), record, plan)
             self._register_back = headers[0].get("returned", {}).get("back") or self._register_back
+
+    @staticmethod
+    def _say_disagreements(headers: dict[int, CellReply]) -> None:
+        """Automatic mode keeps every rank's models and optimizers alike; where a cell made
+        them differ (a decision taken on each rank's own shard of a metric), say so: the
+        notebook gets rank 0's."""
+        replicas = {r: h["replicas"] for r, h in headers.items() if h.get("replicas") is not None}
+        said = statesync.disagreements(replicas) if len(replicas) == len(headers) else []
+        if said:
+            print(f"jupyter_scale: the ranks disagree after this cell: {'; '.join(said)}. The notebook holds rank "
+                  "0's. A decision taken on each rank's own data (a scheduler stepped on a validation loss) "
+                  "needs the value reduced across ranks first: dist.all_reduce(loss); loss /= world_size "
+                  "(README: Per-rank decisions)", file=sys.stderr, flush=True)
 
     def _sync_buffers(self, headers: dict[int, CellReply]) -> None:
         """Automatic mode ends a cell with rank 0's module buffers on every rank (as DDP's

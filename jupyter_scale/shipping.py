@@ -1076,19 +1076,19 @@ def _write_into(held: torch.Tensor, meta: tuple, buffer) -> torch.Tensor:
 class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
     def __init__(self, file, namespace: dict | None, held: dict[int, int] | None, arrays: dict[int, tuple] | None,
                  buffers: list, named: dict[int, str] | None = None, same: set[int] = frozenset(),
-                 refuse: Callable[[Any], str | None] | None = None, back: BackTokens | None = None):
+                 substitute: Callable[[Any], Any] | None = None, back: BackTokens | None = None):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._init_namespace(namespace, named)
         self.held = held or {}
         self.arrays = arrays or {}
         self.same = same  # ids of held tensors whose bytes the receiver holds already
-        self.refuse = refuse  # why a value met inside must not travel, or None
+        self.substitute = substitute  # what travels for an object met inside (it may raise)
         self.back = back  # tokens for the other tensors, which both sides then hold
         self.tensor_buffers: list[pickle.PickleBuffer] = []
 
     def reducer_override(self, obj):
-        if self.refuse is not None and (why := self.refuse(obj)) is not None:
-            raise TypeError(why)
+        if self.substitute is not None and (other := self.substitute(obj)) is not obj:
+            return _same, (other,)
         return super().reducer_override(obj)
 
     def persistent_id(self, obj):
@@ -1107,6 +1107,10 @@ class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
         if token is not None:
             return ("held", meta, self.tensor_buffers[-1], token)
         return ("value", meta, self.tensor_buffers[-1])
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class _ValueUnpickler(pickle.Unpickler):
@@ -1216,23 +1220,25 @@ class BackTokens:
 
 
 def dump_values(values: dict[str, Any], namespace: dict, held: dict[int, int], *, named: dict[int, str],
-                same: set[int] = frozenset(), refuse: Callable[[Any], str | None] | None = None,
-                back: BackTokens | None = None) -> tuple[list, list[bool], dict[str, int]]:
+                same: set[int] = frozenset(), substitute: Callable[[Any], Any] | None = None,
+                back: BackTokens | None = None, own: dict[str, str] | None = None
+                ) -> tuple[list, list[bool], dict[str, int]]:
     """Frames of `values` (name -> value) in one stream with one memo, for `load_values`:
     an object two of them hold stays one. An object of `named` (id -> the name the receiver
-    holds it as) is a reference to the receiver's, but where it is that name's value dumped.
+    holds it as) is a reference to the receiver's, but where it is that name's value dumped
+    (`own`: the name each key stands for, where it is not the key itself).
     Tensors as in `dumps`; a held one in `same` goes without its bytes. Also: each value's
-    bytes. Raises TypeError with `refuse`'s reason for an object that must not travel. With
-    `back`, the tensors not `held` get tokens from it."""
+    bytes. `substitute(obj)` is what travels for each object met (it may raise). With `back`,
+    the tensors not `held` get tokens from it."""
     buffers: list[pickle.PickleBuffer] = []
     file = io.BytesIO()
-    pickler = _ValuePickler(file, namespace, held, None, buffers, named, same, refuse, back)
+    pickler = _ValuePickler(file, namespace, held, None, buffers, named, same, substitute, back)
     sizes = {}
     for name, value in values.items():
         start, first = file.tell(), len(buffers)
         # By value where it is the receiver's object under this very name (to be written into
         # it), else a reference when the receiver holds it (another name's object).
-        pickler.inline = {id(value)} if named.get(id(value)) == name else set()
+        pickler.inline = {id(value)} if named.get(id(value)) == (own or {}).get(name, name) else set()
         pickler.dump(value)
         sizes[name] = file.tell() - start + sum(b.raw().nbytes for b in buffers[first:])
     tensor_buffers = {id(b) for b in pickler.tensor_buffers}

@@ -43,10 +43,9 @@ from . import shipping, writewatch
 
 
 def _per_rank_types() -> tuple[type, ...]:
-    from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, Sampler
 
-    return (DataLoader, Sampler, DistributedDataParallel)
+    return (DataLoader, Sampler)
 
 
 def per_rank_reason(value: Any) -> str | None:
@@ -54,9 +53,16 @@ def per_rank_reason(value: Any) -> str | None:
     for kind in _per_rank_types():
         if isinstance(value, kind):
             return f"holds a {type(value).__name__}, which is each rank's own"
-    if type(value).__name__ == "OptimizedModule":
-        return "is a torch.compile wrapper (its weights come back into the module it wraps)"
     return None
+
+
+def going_back(value: Any) -> Any:
+    """What goes back for `value`, met inside a value rank 0 sends: the model a wrapper wraps
+    (as the notebook's name keeps it); raises TypeError for what is each rank's own."""
+    why = per_rank_reason(value)
+    if why is not None:
+        raise TypeError(why)
+    return unwrap(value)
 
 
 def unwrap(value: Any) -> Any:
@@ -78,6 +84,12 @@ def unwrap(value: Any) -> Any:
 
 # What wrapping a module writes on it (torch.compile): the wrapper's, not the module's state.
 _WRAPPER_MARKS = {"_is_torch_compile"}
+
+
+# The key of a name's object as the cell started, sent back apart from the name's new value
+# when the cell changed that object and then rebound the name: the notebook's object (which
+# other names may hold) takes the change before the name is bound anew.
+BEFORE = "<before>"
 
 
 def module_signature(module: torch.nn.Module) -> bytes:
@@ -106,18 +118,19 @@ class Snapshot:
 
     def __init__(self, namespace: dict, names: Iterable[str]) -> None:
         self.namespace = namespace
-        self.ids = {n: id(namespace[n]) for n in names if n in namespace}
+        # A name the workers hold as a wrapper around the notebook's model (an earlier cell's
+        # torch.compile) stands for the model.
+        self.values = {n: unwrap(namespace[n]) for n in names if n in namespace}  # as the cell starts
         self.named = self._named()
         self.tensor_digests: dict[int, bytes] = {}
-        self.digests = {n: self._digest(namespace[n], self.tensor_digests) for n in self.ids}
+        self.digests = {n: self._digest(v, self.tensor_digests) for n, v in self.values.items()}
 
     def _named(self) -> dict[int, str]:
         """id -> name of the notebook's objects the workers hold as that same object now."""
         named: dict[int, str] = {}
-        for name, ident in self.ids.items():
-            value = self.namespace.get(name)
-            if value is not None and id(value) == ident and shipping._shared_by_identity(value, self.namespace):
-                named.setdefault(ident, name)
+        for name, value in self.values.items():
+            if shipping._shared_by_identity(value, self.namespace):
+                named.setdefault(id(value), name)
         return named
 
     def _digest(self, value: Any, tensor_digests: dict[int, bytes]) -> bytes | None:
@@ -140,19 +153,20 @@ class Snapshot:
         return h.digest()
 
     def changed(self, rebound: Iterable[str]) -> tuple[list[str], list[str], dict[int, bytes]]:
-        """After the cell: the names whose object it changed in place; the names it rebound to
-        a wrapper around their object (`unwrap`), whose object is compared instead; and the
-        tensors reached from them, with their digests now."""
+        """After the cell: the names whose object it changed in place (also when it then
+        rebound the name: other names, or other objects, may hold the object); the names it
+        rebound to a wrapper around their object (`unwrap`); and the tensors reached from
+        them, with their digests now."""
         rebound = set(rebound)
         now: dict[int, bytes] = {}
         changed, wrapped = [], []
-        for name, ident in self.ids.items():
-            value = self.namespace.get(name)
-            if id(value) != ident:
-                if name not in rebound or id(unwrap(value)) != ident:
-                    continue
-                wrapped.append(name)
-            digest = self._digest(unwrap(value), now)
+        for name, before in self.values.items():
+            if name in rebound and self.namespace.get(name) is not before:
+                if unwrap(self.namespace.get(name)) is before:
+                    wrapped.append(name)  # rebound to a wrapper around the same model
+                elif not shipping._shared_by_identity(before, self.namespace):
+                    continue  # nothing else can hold it
+            digest = self._digest(before, now)
             if digest is None or digest != self.digests[name]:
                 changed.append(name)
         return changed, wrapped, now
@@ -258,3 +272,66 @@ def _tensor_into(old: torch.Tensor, new: torch.Tensor) -> bool:
         old.copy_(new)
     old.requires_grad_(new.requires_grad)
     return True
+
+
+# --------------------------------------------------------------------------------------
+# Replicas that disagree
+# --------------------------------------------------------------------------------------
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def replica_digests(namespace: dict, names: Iterable[str]) -> dict[str, dict]:
+    """What automatic mode keeps equal on every rank, of the models and optimizers among
+    `names`: each parameter's digest, and each optimizer's hyperparameters. Buffers are left
+    out: they may differ (batch statistics) and the kernel makes them rank 0's after the
+    cell; so are sharded parameters, each rank's own part."""
+    found: dict[str, dict] = {}
+    with writewatch.watch().digest_pass():
+        for name in names:
+            value = unwrap(namespace.get(name))
+            if isinstance(value, torch.nn.Module):
+                weights = {}
+                for key, param in value.named_parameters():
+                    if type(param).__name__ == "DTensor" or not shipping._shippable_tensor(param):
+                        continue
+                    array, _ = shipping._tensor_bytes(param)
+                    weights[key] = shipping._tensor_digest(param, array).hex()
+                found[name] = {"weights": weights}
+            elif isinstance(value, torch.optim.Optimizer):
+                found[name] = {"hyper": [{k: v for k, v in group.items() if isinstance(v, _PLAIN)}
+                                         for group in value.param_groups]}
+    return found
+
+
+def disagreements(replicas: dict[int, dict[str, dict]]) -> list[str]:
+    """What differs across the ranks' `replica_digests` (rank -> theirs), said per name."""
+    ranks = sorted(replicas)
+    if len(ranks) < 2:
+        return []
+    said = []
+    for name in sorted(set().union(*(replicas[r] for r in ranks))):
+        seen = {r: replicas[r].get(name) for r in ranks}
+        if any(v is None for v in seen.values()):
+            continue  # not on every rank: nothing to compare
+        first = seen[ranks[0]]
+        if "weights" in first:
+            keys = sorted(k for k in first["weights"] if any(seen[r]["weights"].get(k) != first["weights"][k]
+                                                             for r in ranks[1:]))
+            if keys:
+                others = [r for r in ranks[1:] if seen[r]["weights"] != first["weights"]]
+                said.append(f"{name}'s weights differ on rank {_ranks(others)} from rank {ranks[0]}'s "
+                            f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+        else:
+            for i, group in enumerate(first["hyper"]):
+                for key, mine in group.items():
+                    values = {r: seen[r]["hyper"][i].get(key) if i < len(seen[r]["hyper"]) else None for r in ranks}
+                    if any(v != mine for v in values.values()):
+                        where = f"param_groups[{i}]['{key}']" if len(first["hyper"]) > 1 else key
+                        shown = ", ".join(f"rank {r} {values[r]}" for r in ranks[:4])
+                        said.append(f"{name}'s {where} differs: {shown}{', ...' if len(ranks) > 4 else ''}")
+    return said
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks[:4]) + (", ..." if len(ranks) > 4 else "")

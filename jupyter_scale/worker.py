@@ -474,7 +474,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     received = False
     before = None  # the namespace's bindings when the cell's code started
     snapshot = None  # rank 0's digests of what the cell can reach (see statesync)
-    buffers = None
+    buffers = replicas = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
     if rank != 0 and request.get("register_back"):
@@ -530,6 +530,9 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             if auto and training._distributed():  # the cell may have destroyed the group
                 # The kernel compares every rank's and asks for `sync_buffers` if any.
                 buffers = training.buffer_signatures(_state.namespace)
+                # And these, to say where the ranks' models or optimizers drifted apart.
+                touched = {*(request.get("watch") or ()), *_rebound(before)}
+                replicas = statesync.replica_digests(_state.namespace, touched)
         _cell_may_be_interrupted(False)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
         _cell_may_be_interrupted(False)
@@ -567,7 +570,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     rebound = sorted({*_rebound(before), *(n for n in request.get("stores", ()) if n in _state.namespace
                                            and n not in INJECTED_NAMES)})
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
-              "elapsed": time.time() - started, "buffers": buffers, "rebound": rebound,
+              "elapsed": time.time() - started, "buffers": buffers, "replicas": replicas, "rebound": rebound,
               **_close_events(sink, "finished")}
     out_frames: list = []
     if rank == 0:
@@ -672,8 +675,12 @@ class _Return:
             else:
                 values[name] = statesync.unwrap(self.ns[name])
         if self.snapshot is not None:
-            for name in sorted(self.changed - set(values) - set(self.request.get("modules", []))):
-                values[name] = self.ns[name]
+            modules = set(self.request.get("modules", []))
+            for name in sorted(self.changed):
+                if name in self.rebound:
+                    values[statesync.BEFORE + name] = self.snapshot.values[name]
+                elif name not in modules and name not in values:
+                    values[name] = self.ns[name]
             for name in self.rebound:
                 if name in self.ns and name not in values:
                     value = statesync.unwrap(self.ns[name])  # a model the cell made and wrapped: the model
@@ -737,6 +744,7 @@ class _Return:
         values the cell bound past the size limit stay too."""
         held = {id(t): token for token, t in _state.receiver.tensors.items()}
         named = self.snapshot.named if self.snapshot is not None else {}
+        own = {key: key.removeprefix(statesync.BEFORE) for key in values}
         base = self.request.get("back_base")
         back = None
 
@@ -744,7 +752,7 @@ class _Return:
             nonlocal back
             back = shipping.BackTokens(base) if base is not None else None
             return shipping.dump_values(chosen, self.ns, held, named=named, same=self.same,
-                                        refuse=statesync.per_rank_reason, back=back)
+                                        substitute=statesync.going_back, back=back, own=own)
 
         try:
             frames = dump(values)
@@ -758,8 +766,8 @@ class _Return:
             frames = dump(values) if values else None
         limit = self.request.get("bring_back_bytes")
         if frames is not None and limit is not None:
-            bound = {n: size for n, size in frames[2].items()
-                     if n not in self.pull and n not in named and not isinstance(values[n], torch.nn.Module)}
+            bound = {n: size for n, size in frames[2].items() if n not in self.pull and id(values[n]) not in named
+                     and not isinstance(values[n], torch.nn.Module)}
             while bound and sum(bound.values()) > limit:
                 name = max(bound, key=bound.__getitem__)
                 self.returned["too_big"][name] = bound.pop(name)
@@ -769,7 +777,7 @@ class _Return:
                 frames = dump(values) if values else None
         if frames is not None:
             self._add(list(values), "values", frames[:2], out_frames, tensor_frames)
-            self.returned["adopt"] = [n for n in values if named.get(id(values[n])) == n]
+            self.returned["adopt"] = [n for n in values if named.get(id(values[n])) == own[n]]
             if back is not None and back.tensors:  # the other ranks give theirs these tokens next cell
                 _state.receiver.tensors.update(back.tensors)
                 self.returned["back"] = {"names": list(values), "named": sorted(set(named.values())),
@@ -787,12 +795,12 @@ def _register_back(back: dict) -> None:
     values back: the same walk over this rank's values of the same names. A rank whose values
     differ (another count of tensors) keeps none of them."""
     ns = _state.namespace
-    named = {id(ns[n]): n for n in back["named"] if n in ns}
+    named = {id(statesync.unwrap(ns[n])): n for n in back["named"] if n in ns}
     tokens = shipping.BackTokens(back["base"])
     held = {id(t): token for token, t in _state.receiver.tensors.items()}
     try:
         shipping.dump_values({n: statesync.unwrap(ns[n]) for n in back["names"] if n in ns}, ns, held, named=named,
-                             refuse=statesync.per_rank_reason, back=tokens)
+                             substitute=statesync.going_back, back=tokens, own={})
     except Exception:  # pickling raises many types; this rank's values are not rank 0's
         return
     if len(tokens.tensors) == back["count"]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-POOL = ["epochs", "label", "flag", "maybe", "ratio", "pair", "items", "cfg", "t", "k", "scaled", "net", "opt",
-        "sched"]
+POOL = ["epochs", "label", "flag", "maybe", "ratio", "pair", "items", "alias", "cfg", "t", "k", "scaled", "net",
+        "holder", "opt", "sched"]
 
 SETUP = '''
 import torch, torch.nn as nn
@@ -46,6 +46,9 @@ def train(steps):
 
 def scale():
     return k * 2
+
+def bump():
+    items.append(len(items))
 
 def _canon(v):
     if isinstance(v, nn.Module):
@@ -72,7 +75,16 @@ def _canon(v):
     return (type(v).__name__, repr(v))
 
 def _fingerprint():
-    return repr([(name, _canon(globals()[name])) for name in POOL if name in globals()])
+    # Which object is which, too; a torch.compile wrapper as the module it wraps (the
+    # notebook's name keeps the module after a distributed cell wrapped it: documented).
+    present = [name for name in POOL if name in globals()]
+    value = {name: getattr(globals()[name], "_orig_mod", globals()[name]) for name in present}
+    atoms = (int, float, str, bool, type(None), tuple)
+    shared = [(a, b) for i, a in enumerate(present) for b in present[i + 1:]
+              if value[a] is value[b] and not isinstance(value[a], atoms)]
+    inside = [(a, b) for a in present for b in present if isinstance(value[a], dict) and not isinstance(value[b], atoms)
+              and any(getattr(v, "_orig_mod", v) is value[b] for v in value[a].values())]
+    return repr([(name, _canon(globals()[name])) for name in present] + [shared, inside])
 
 def _reset():
     for name in POOL:
@@ -104,6 +116,9 @@ def _statement(r: random.Random, facts: _Facts, distributed: bool) -> str | None
         ("items", None, f"items = [{small}, 1]"),
         ("items", "items", f"items.append({small})"),
         ("items", "items", f"items[0] = {small}"),
+        ("items", "items", "bump()"),
+        ("alias", "items", "alias = items"),
+        ("alias", "alias", f"alias.append({small})"),
         ("cfg", None, f"cfg = {{'lr': {lr}, 'n': {small}}}"),
         ("cfg", "cfg", f"cfg['lr'] = {lr}"),
         ("cfg", "cfg", f"cfg['extra'] = [{small}]"),
@@ -120,6 +135,10 @@ def _statement(r: random.Random, facts: _Facts, distributed: bool) -> str | None
         ("net", "net", "net.load_state_dict(Net().state_dict())"),
         ("opt", "net", f"opt = torch.optim.SGD(net.parameters(), lr={lr}, momentum=0.9)"),
         ("opt", "opt", f"opt.param_groups[0]['lr'] = {lr}"),
+        ("opt", "net", f"opt = torch.optim.Adam(net.parameters(), lr={lr})"),
+        ("holder", "net", "holder = {'net': net}"),
+        ("holder", "holder", "holder['net'].eval()"),
+        ("label", "label", "del label"),
         ("sched", "opt", "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)"),
         ("sched", "sched", "opt.step()\nsched.step()"),
         ("net", "opt", f"train({r.choice([1, 2])})"),
@@ -128,6 +147,9 @@ def _statement(r: random.Random, facts: _Facts, distributed: bool) -> str | None
     bound, needs, code = r.choice(choices)
     if needs is not None and needs not in d:
         return None
+    if code == "del label":
+        d.discard("label")
+        return code
     if code == "train(1)" or code == "train(2)":
         if "net" not in d:
             return None

@@ -213,3 +213,24 @@ def test_a_name_the_cell_deletes_is_deleted_in_the_notebook(k):
     k.ok("doomed = 2")
     out = k.ok("%%distribute\nseen_doomed = doomed")
     assert "replace" not in out.stderr and k.value("seen_doomed") == 2
+
+
+def test_ranks_that_decide_apart_are_said_and_named(k):
+    """ReduceLROnPlateau stepped on each rank's own shard of a validation metric: the ranks'
+    learning rates part, then their weights; the cell says which and where."""
+    k.ok(MODEL + "sm_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sm_opt, factor=0.5, patience=0)\n"
+         "sm_val = TensorDataset(torch.arange(8.))")
+    out = k.ok("%%distribute\nsm_train(1)")
+    assert "disagree" not in out.stderr, out.stderr
+    out = k.ok("""%%distribute
+metric = float(sum(x.sum() for (x,) in DataLoader(sm_val, batch_size=4)))  # rank 0: 12, rank 1: 16
+sm_plateau.step(14.0)
+sm_plateau.step(metric)
+sm_opt.zero_grad()
+nn.functional.mse_loss(sm_net(sm_x), sm_x.sum(1, keepdim=True)).backward()
+sm_opt.step()
+""")
+    assert "the ranks disagree after this cell" in out.stderr, out.stderr
+    assert "sm_opt's lr differs: rank 0 0.05, rank 1 0.025" in out.stderr, out.stderr
+    assert "sm_net's weights differ on rank 1 from rank 0's" in out.stderr, out.stderr
+    assert "dist.all_reduce" in out.stderr and k.value("sm_opt.param_groups[0]['lr']") == 0.05
