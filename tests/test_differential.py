@@ -3,9 +3,9 @@ run in a plain local kernel and with some cells under %%distribute on 2 workers,
 the same notebook-visible state after every cell. `benchmarks/differential.py` runs more."""
 
 import pytest
-from differential import SETUP, describe, run_sequence, sequence
 
 from conftest import _started_kernel, _stop_and_check
+from differential import SETUP, describe, run_sequence, sequence
 from kernel import Kernel
 
 SEQUENCES_PER_ENGINE = 70  # 210 across the three engines
