@@ -60,8 +60,11 @@ class CellRequest(_CellRequired, total=False):
     pull: list[str]
     deleted: list[str]  # names the notebook deleted: the worker deletes them too
     stores: list[str]  # names the cell binds at its top level
+    deletes: list[str]  # names the cell deletes at its top level, unconditionally
     watch: list[str] | None  # rank 0 sends back what the cell changed of these (see statesync)
     bring_back_bytes: int  # values the cell bound, in all, up to this size come back
+    back_base: int  # rank 0 gives the tensors it sends back tokens counting down from here
+    register_back: dict | None  # the other ranks give theirs the tokens rank 0 gave last cell
     keep_sharded: bool
     auto: bool  # automatic mode
     shard: dict | None  # shard_model's options under --shard, else None
@@ -97,6 +100,16 @@ class _ReplyRequired(TypedDict):
     rebound: list[str]  # names the cell bound on the worker
 
 
+class Returned(TypedDict, total=False):
+    """Rank 0's account of what came back of a cell's effects (worker._Return)."""
+
+    adopt: list[str]  # values written into the notebook's objects of those names
+    deleted: list[str]  # names the cell deleted
+    left: dict[str, str]  # names that stay the workers' own, and why
+    too_big: dict[str, int]  # of those, the values past bring_back_limit, with their size
+    back: dict  # tokens rank 0 gave the tensors sent back: names, named, base, count
+
+
 class CellReply(_ReplyRequired, total=False):
     """The first item of `worker.run_cell`'s answer (frames follow it)."""
 
@@ -109,3 +122,5 @@ class CellReply(_ReplyRequired, total=False):
     state_digests: dict[str, tuple]  # per module pulled as a state dict: (keys left out, key -> digest)
     pack_seconds: float  # rank 0's time packing its pulls (hashing included)
     shared_frames: dict | None  # rank 0's pull-back in its shared memory
+    returned: Returned  # rank 0: what of the cell's effects came back, and what stays (see statesync)
+    replicas: dict[str, dict] | None  # automatic mode: statesync.replica_digests of what the cell touched

@@ -42,7 +42,7 @@ class Puller:
         held = None
         values: dict
         hashed: list = []
-        taken: dict = {}  # token -> tensor, of the tensors that came back with a token
+        taken: dict | None = {}  # token -> tensor, of the tensors that came back with a token, until taken
         kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
         if kept:
             print(f"jupyter_scale: {listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "
@@ -86,6 +86,8 @@ class Puller:
                     # so is each value of the notebook's that the cell changed in place.
                     held = self.shipper.held_tensors() if held is None else held
                     values, taken = shipping.load_values(names, stream, buffers, self.namespace, held)
+                    self.shipper.took_back(taken, header.get("returned", {}).get("back", {}).get("count", 0))
+                    taken = None
                     adopt = set(header.get("returned", {}).get("adopt", ()))
                     for key, value in values.items():
                         name = key.removeprefix(statesync.BEFORE)
@@ -108,7 +110,8 @@ class Puller:
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
         returned = header.get("returned", {})
-        self.shipper.took_back(taken, returned.get("back", {}).get("count", 0))
+        if taken is not None:  # the values did not load: no token of theirs is held
+            self.shipper.took_back({}, returned.get("back", {}).get("count", 0))
         for name in returned.get("deleted", ()):  # deleted by the cell, as a local run would
             self.namespace.pop(name, None)
             self.shipper.forget_name(name)

@@ -506,7 +506,7 @@ class ScaleSession(LoggingConfigurable):
         self.group = {}
         self.shared_memory = False
         self.shipper = shipping.Shipper(self.namespace, self._shippable)
-        self._register_back: dict | None = None
+        self._register_back = None
         self._group_ready = False
         self._resync = False
 
@@ -682,6 +682,7 @@ class ScaleSession(LoggingConfigurable):
         code = self._transform(code)
         pull = list(pull)
         free = self._free_names(code)
+        stores, deletes = shipping.stored_names(code)
         names = self._names_to_ship(free)
         held = {self._bound_by_framework[n] for n in free if n in self._bound_by_framework and n not in self.namespace}
         try:
@@ -734,7 +735,8 @@ class ScaleSession(LoggingConfigurable):
             "updates": shipment.updates,
             "forget": shipment.forget,
             "deleted": shipment.deleted,
-            "stores": shipping.stored_names(code),
+            "stores": stores,
+            "deletes": deletes,
             "code": code,
             "filename": f"<distribute-cell-{record.index}>",
             "modules": modules,

@@ -78,6 +78,7 @@ class _FreeNames(ast.NodeVisitor):
         self.bound: set[str] = set()
         self.top_level_stores: set[str] = set()
         self.deferred_reads: list[str] = []
+        self.deleted: set[str] = set()  # by a `del` that always runs
         self._conditional = 0
 
     # -- helpers -------------------------------------------------------------------
@@ -121,6 +122,8 @@ class _FreeNames(ast.NodeVisitor):
             self._store(node.id)
         else:  # Del
             self._read(node.id)
+            if not self._conditional:
+                self.deleted.add(node.id)
 
     # -- statements in evaluation order --------------------------------------------
     def visit_Assign(self, node: ast.Assign) -> None:
@@ -318,9 +321,11 @@ def _visited(source: str) -> _FreeNames:
     return visitor
 
 
-def stored_names(source: str) -> list[str]:
-    """Names `source` binds at its top level (perhaps: in a branch or a loop too)."""
-    return sorted(_visited(source).top_level_stores)
+def stored_names(source: str) -> tuple[list[str], list[str]]:
+    """Names `source` binds at its top level (perhaps: in a branch or a loop too), and those
+    it deletes there (surely: not in a branch or a loop)."""
+    visitor = _visited(source)
+    return sorted(visitor.top_level_stores), sorted(visitor.deleted)
 
 
 def free_names(source: str) -> list[str]:
@@ -603,7 +608,11 @@ class _ShipPickler(_NamespaceFunctions, cloudpickle.Pickler):
 
     def __init__(self, file, shipper: Shipper, plan: Plan, sent: list[str], buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self._init_namespace(shipper.namespace, plan.named, {id(plan.values[n]) for n in sent})
+        # By value, but the object of a name the workers hold already (the notebook bound it
+        # to another name too: `alias = items`), which is a reference to it.
+        held = set(plan.values) - set(sent)
+        self._init_namespace(shipper.namespace, plan.named,
+                             {id(plan.values[n]) for n in sent if plan.named.get(id(plan.values[n])) not in held})
         self.shipper = shipper
         self.tensors = plan.tensors
         self.tensor_buffers: list[pickle.PickleBuffer] = []
@@ -799,9 +808,10 @@ class Shipper:
     def _deleted(self) -> list[str]:
         """Names the workers hold as the notebook's value (or took over from it) that the
         notebook has deleted since: a name only the workers ever had stays theirs."""
-        namespace = self.namespace or {}
+        if self.namespace is None:  # values given one by one, not a namespace's
+            return []
         held = [*self._names, *(n for n, owned in self._owned.items() if owned != ("absent",))]
-        return sorted({n for n in held if n not in namespace})
+        return sorted({n for n in held if n not in self.namespace})
 
     def _pickle(self, plan: Plan, sent: list[str], shipment: Shipment) -> None:
         """The sent names, one after another into one stream, with one memo."""
@@ -1100,7 +1110,9 @@ class _ValuePickler(_NamespaceFunctions, cloudpickle.Pickler):
         if token is None and self.back is not None and (token := self.back.given.get(id(obj))) is not None:
             return ("backref", token)  # met before in this stream: the same tensor
         array, meta = self.arrays.get(id(obj)) or _tensor_bytes(obj)
-        if token is None and self.back is not None:
+        # A view is its own copy where it lands (as a tensor the notebook sends): written into
+        # by token, it would write into what it views on the workers.
+        if token is None and self.back is not None and obj._base is None:
             self.tensor_buffers.append(pickle.PickleBuffer(array))
             return ("back", meta, self.tensor_buffers[-1], self.back.give(obj))
         self.tensor_buffers.append(pickle.PickleBuffer(array))

@@ -567,8 +567,10 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
     # A name the cell assigned counts as bound even when it holds the object it held before
     # (an interned string, a small int): the notebook may not hold it.
-    rebound = sorted({*_rebound(before), *(n for n in request.get("stores", ()) if n in _state.namespace
-                                           and n not in INJECTED_NAMES)})
+    # So does a name it deleted that this worker did not hold.
+    stored = [n for n in request.get("stores", ()) if n in _state.namespace and n not in INJECTED_NAMES]
+    deleted = [n for n in request.get("deletes", ()) if n not in _state.namespace]
+    rebound = sorted({*_rebound(before), *stored, *deleted})
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
               "elapsed": time.time() - started, "buffers": buffers, "replicas": replicas, "rebound": rebound,
               **_close_events(sink, "finished")}

@@ -194,7 +194,7 @@ def test_a_model_built_on_the_meta_device_in_the_cell_trains_sharded_as_one_buil
     k.ok("%%distribute --workers 2 --pull final\n"
          "import jupyter_scale.training as training\n"
          "net = Tied()\n" + net_loop + gather, timeout=300)
-    k.ok("whole = final\ntorch.manual_seed(7)")
+    k.ok("whole = final\ndel net  # the unsharded one came back\ntorch.manual_seed(7)")
     # The same cell, the model built on the meta device: nothing allocated, nothing drawn;
     # --shard shards and materializes it when the optimizer is built over its parameters.
     k.ok("%%distribute --workers 2 --shard --pull final\n"

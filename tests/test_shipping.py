@@ -461,3 +461,16 @@ def test_a_pulled_optimizer_holds_the_notebook_models_parameters():
     weight = link.notebook["model"].weight
     assert back["optimizer"].param_groups[0]["params"][0] is weight
     assert torch.equal(weight, worker_model.weight)  # the worker's step, in the notebook's model
+
+
+def test_a_name_bound_to_an_object_the_workers_hold_under_another_name_stays_that_object():
+    link = NotebookLink("items = [0, 1]\n")
+    link.send("items")
+    link.notebook["alias"] = link.notebook["items"]
+    _, shipment = link.send("items", "alias")
+    assert shipment.skipped == ["items"] and link.worker["alias"] is link.worker["items"]
+
+
+def test_names_a_cell_binds_and_surely_deletes():
+    stores, deletes = shipping.stored_names("a = 1\nif a:\n    b = 2\n    del c\nfor i in range(2):\n    pass\ndel d\n")
+    assert stores == ["a", "b", "i"] and deletes == ["d"]
