@@ -58,11 +58,13 @@ def history(as_frame: bool = False):
 
 
 def load_ipython_extension(ip) -> None:
+    from . import cellstart
     from .magics import ScaleMagics
     from .sidebar import SidebarChannel
 
     session = get_session()
     session.record_cells()  # what %scale export slices
+    cellstart.attach(session)  # and where each cell started, while ScaleSession.export_keep_start is on
     session.warm_up()  # the engine's worker template starts importing while the user works
     ip.register_magics(ScaleMagics(ip, session))
     if not any(isinstance(o, SidebarChannel) for o in session.observers):

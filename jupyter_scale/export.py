@@ -8,8 +8,9 @@ The script (`train.py`) is the notebook sliced for one cell:
   defined it (and later statements that set its attributes), whose own reads are followed
   in turn; a literal (a number, a string) is written as one; any other value (tensors,
   datasets, models with their current weights) is saved beside the script, once, and
-  loaded by it. The notebook classes those saved values are made of are followed too,
-  since loading them needs their definitions.
+  loaded by it (after the cell ran, as it started when a copy was kept: see cellstart).
+  The notebook classes those saved values are made of are followed too, since loading
+  them needs their definitions.
 - with `save_values=False` the values are made by the notebook code that made them
   instead (the statements that last bound them, the ones that changed them afterwards and
   the seeding calls before them): the script loads its own data.
@@ -34,7 +35,7 @@ import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -289,6 +290,8 @@ def plan_script(body: str, namespace: dict, statements: list[Statement], *, save
                 if name in injected and before < end:
                     plan.reads_injected = True
                 continue
+            if not save_values and before == end and name in bound_in_body and not binders.get(name):
+                continue  # the cell binds it (its value here came back from an earlier %%distribute run of it)
             value = namespace[name]
             code = _is_notebook_code(value)
             imported = isinstance(value, types.ModuleType) or _importable_as(value) is not None
@@ -442,10 +445,11 @@ def pickled_references(values: dict[str, Any]) -> tuple[set[str], set[str]]:
     return set(recording.main), set(recording.modules)
 
 
-def save_values(values: dict[str, Any], path: Path) -> dict[str, int]:
-    """Write `values` (one pickle: objects two names share stay shared); returns each
-    name's size in bytes, roughly (its tensors and the rest of its pickle)."""
-    torch.save(values, path)
+def save_values(values: dict[str, Any], file: Path | BinaryIO) -> dict[str, int]:
+    """Write `values` (one pickle: objects two names share stay shared) to a path or an
+    open binary file; returns each name's size in bytes, roughly (its tensors and the rest
+    of its pickle)."""
+    torch.save(values, file)
     sizes = {}
     for name, value in values.items():
         counter = _ByteCounter()

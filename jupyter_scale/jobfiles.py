@@ -6,29 +6,37 @@ node, nodes, image) with defaults a user edits in place:
 - `run.sh`: torchrun on this machine;
 - `job.sbatch`: a Slurm batch job, one torchrun per node (srun) meeting through torchrun's
   c10d rendezvous on the first node;
-- `pytorchjob.yaml`: a Kubeflow PyTorchJob (kubeflow.org/v1): one pod per node, whose
-  `torchrun train.py` gets the node count, its node rank and the master from the training
-  operator (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...);
+- `trainjob.yaml`: a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1) on the
+  `torch-distributed` ClusterTrainingRuntime: one pod per node, whose `torchrun train.py`
+  gets the node count, its node rank and the master from Trainer's torch plugin
+  (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...);
+- `pytorchjob.yaml`: the same as a PyTorchJob (kubeflow.org/v1) of the training operator,
+  which Kubeflow replaced by Trainer in 2025: for clusters that still run it;
 - `rayjob.yaml`: a KubeRay RayJob (ray.io/v1) whose entrypoint runs train.py on the Ray
   workers, one actor a rank (`python -m jupyter_scale.ray_job`).
 
 The Kubernetes targets come with a Dockerfile for their image (this directory on top of
 Python, torch and requirements.txt), and every export with a README saying how to run each.
+The directory is written as jobdir says: only into a directory no one else can write.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
-import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import export
 from .export import ExportError, ScriptPlan
+from .jobdir import FILE_MODE, SCRIPT_MODE, JobDirectory
 
-TARGETS = ("torchrun", "slurm", "kubeflow", "ray")
+# kubeflow: the training operator's PyTorchJob (the name it had before Kubeflow Trainer).
+TARGETS = ("torchrun", "slurm", "trainjob", "kubeflow", "ray")
+FILES = {"torchrun": "run.sh", "slurm": "job.sbatch", "trainjob": "trainjob.yaml", "kubeflow": "pytorchjob.yaml",
+         "ray": "rayjob.yaml"}
+# Kubeflow Trainer's runtime for torchrun jobs, installed with Trainer.
+TORCH_RUNTIME = "torch-distributed"
 # Where the Kubernetes targets find the job directory in their image (the Dockerfile's WORKDIR).
 IMAGE_DIR = "/job"
 
@@ -53,6 +61,9 @@ class JobShape:
     cpus_per_node: int = 0  # 0: one core per process
     gpus_per_node: int = 0
     memory_per_node: str = "4Gi"
+
+    def __post_init__(self) -> None:
+        self.image = self.image or f"{self.name}:latest"  # a manifest names some image: the Dockerfile's, built so
 
     @property
     def workers(self) -> int:
@@ -120,27 +131,75 @@ COPY . .
 """
 
 
-def _container(shape: JobShape, name: str, command: list[str], indent: int, cpus: int, env: dict) -> str:
-    """A pod template's one container, as YAML at `indent` spaces."""
+def _resources(shape: JobShape, cpus: int) -> list[str]:
+    """A container's (or a TrainJob node's) requests and limits, as YAML lines."""
     resources = {"cpu": str(cpus), "memory": shape.memory_per_node}
     if shape.gpus_per_node:
         resources["nvidia.com/gpu"] = str(shape.gpus_per_node)
+    lines = []
+    for kind in ("requests", "limits"):
+        lines.append(f"  {kind}:")
+        lines += [f"    {k}: \"{v}\"" for k, v in resources.items()]
+    return lines
+
+
+def _env(env: dict) -> list[str]:
+    return [f"  - name: {k}\n    value: \"{v}\"" for k, v in env.items()]
+
+
+def _indented(lines: list[str], indent: int) -> str:
+    return "".join(" " * indent + line.replace("\n", "\n" + " " * indent) + "\n" for line in lines)
+
+
+def _container(shape: JobShape, name: str, command: list[str], indent: int, cpus: int, env: dict) -> str:
+    """A pod template's one container, as YAML at `indent` spaces."""
     quoted = ", ".join(f'"{part}"' for part in command)
     lines = [f"- name: {name}", f"  image: {shape.image}", f"  workingDir: {IMAGE_DIR}"]
     if command:
         lines.append(f"  command: [{quoted}]")
     if env:
-        lines.append("  env:")
-        lines += [f"    - name: {k}\n      value: \"{v}\"" for k, v in env.items()]
-    lines.append("  resources:")
-    for kind in ("requests", "limits"):
-        lines.append(f"    {kind}:")
-        lines += [f"      {k}: \"{v}\"" for k, v in resources.items()]
-    return "".join(" " * indent + line.replace("\n", "\n" + " " * indent) + "\n" for line in lines)
+        lines += ["  env:", *("  " + line.replace("\n", "\n  ") for line in _env(env))]
+    lines += ["  resources:", *("  " + line for line in _resources(shape, cpus))]
+    return _indented(lines, indent)
+
+
+def _job_env(shape: JobShape) -> dict:
+    return {"OMP_NUM_THREADS": max(1, shape.cpus // shape.per_node), "JUPYTER_SCALE_OUTPUT": f"{IMAGE_DIR}/output"}
+
+
+def trainjob_yaml(shape: JobShape) -> str:
+    """Kubeflow Trainer's TrainJob: the torch-distributed runtime's pods, one per node, each
+    running the trainer's command with the image's /job as the script's directory (a TrainJob
+    sets no working directory: the script is named by its path)."""
+    return f"""# A Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1): kubectl apply -f trainjob.yaml
+# Kubeflow Trainer (v2) runs it on its {TORCH_RUNTIME} ClusterTrainingRuntime: one pod per node
+# ({shape.nodes}), {shape.per_node} processes each; Trainer's torch plugin gives every pod's `torchrun` the node
+# count, its node rank and the first pod's address (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR,
+# PET_MASTER_PORT; numProcPerNode becomes PET_NPROC_PER_NODE). For clusters that still run the
+# training operator (kubeflow.org/v1), use pytorchjob.yaml instead.
+# Set the image (see Dockerfile), the resources, and a volume at {IMAGE_DIR}/output to keep the weights
+# (podTemplateOverrides, or the runtime's own template).
+apiVersion: trainer.kubeflow.org/v1alpha1
+kind: TrainJob
+metadata:
+  name: {shape.name}
+spec:
+  runtimeRef:
+    apiGroup: trainer.kubeflow.org
+    kind: ClusterTrainingRuntime
+    name: {TORCH_RUNTIME}
+  trainer:
+    image: {shape.image}
+    command: ["torchrun", "{IMAGE_DIR}/train.py"]
+    numNodes: {shape.nodes}
+    numProcPerNode: {shape.per_node}
+    env:
+{_indented(_env(_job_env(shape)), 4)}    resourcesPerNode:
+{_indented(_resources(shape, shape.cpus), 4)}"""
 
 
 def pytorchjob_yaml(shape: JobShape) -> str:
-    env = {"OMP_NUM_THREADS": max(1, shape.cpus // shape.per_node), "JUPYTER_SCALE_OUTPUT": f"{IMAGE_DIR}/output"}
+    env = _job_env(shape)
 
     def replicas(role: str, count: int) -> str:
         return (f"    {role}:\n      replicas: {count}\n"
@@ -150,9 +209,11 @@ def pytorchjob_yaml(shape: JobShape) -> str:
 
     workers = replicas("Worker", shape.nodes - 1) if shape.nodes > 1 else ""
     return f"""# A Kubeflow PyTorchJob (the training operator's kubeflow.org/v1): kubectl apply -f pytorchjob.yaml
-# One pod per node ({shape.nodes}), {shape.per_node} processes each: the operator gives every pod's
-# `torchrun train.py` the node count, its node rank and the master pod's address (PET_NNODES,
-# PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; nprocPerNode becomes PET_NPROC_PER_NODE).
+# For clusters that still run the training operator, which Kubeflow replaced by Kubeflow Trainer in
+# 2025 (whose TrainJob is trainjob.yaml). One pod per node ({shape.nodes}), {shape.per_node} processes each: the
+# operator gives every pod's `torchrun train.py` the node count, its node rank and the master pod's
+# address (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; nprocPerNode becomes
+# PET_NPROC_PER_NODE).
 # Set the image (see Dockerfile), the resources, and a volume at {IMAGE_DIR}/output to keep the weights.
 apiVersion: kubeflow.org/v1
 kind: PyTorchJob
@@ -169,7 +230,7 @@ spec:
 def rayjob_yaml(shape: JobShape, ray_version: str) -> str:
     entrypoint = (f"python -m jupyter_scale.ray_job --workers {shape.workers} --cpus-per-worker "
                   f"{max(1, shape.cpus // shape.per_node)}" +
-                  (f" --gpus-per-worker {shape.gpus_per_node // shape.per_node}" if shape.gpus_per_node else "") +
+                  (f" --gpus-per-worker {shape.gpus_per_node / shape.per_node:g}" if shape.gpus_per_node else "") +
                   f" {IMAGE_DIR}/train.py")
     head = JobShape(shape.name, 1, image=shape.image, memory_per_node="2Gi")
     output = {"JUPYTER_SCALE_OUTPUT": f"{IMAGE_DIR}/output"}
@@ -206,7 +267,8 @@ spec:
 {_container(shape, "ray-worker", [], 14, shape.cpus, output)}"""
 
 
-def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str) -> str:
+def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str,
+           values_when: str = "as they were at export") -> str:
     sections = [f"# {shape.name}: a training job exported by jupyter_scale\n\n"
                 f"`train.py` is {where} of the notebook with the notebook code it needs, run as `%%distribute` runs\n"
                 f"it: {shape.workers} processes ({shape.nodes} node{'s' if shape.nodes > 1 else ''} of {shape.per_node}), "
@@ -216,18 +278,30 @@ def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str
                 "(`JUPYTER_SCALE_OUTPUT` moves `output/`).\n"]
     if values:
         listed = ", ".join(f"{name} ({size})" for name, size in values.items())
-        sections.append(f"`values.pt` holds the notebook's values as they were at export: {listed}.\n")
+        sections.append(f"`values.pt` holds the notebook's values {values_when}: {listed}. It is a pickle\n"
+                        "(`torch.load(..., weights_only=False)`): loading it runs whatever code it names, so load only\n"
+                        "one you made yourself, and keep this directory writable by you alone.\n")
     sections.append("Install what it needs (the versions the notebook ran): `pip install -r requirements.txt`.\n")
     how = {
         "run.sh": "## On this machine\n\n    bash run.sh                 # NPROC=4 bash run.sh for 4 processes\n",
         "job.sbatch": "## On Slurm\n\n    sbatch job.sbatch           # from this directory\n\n"
                       "One `torchrun` per node under `srun`; edit the `#SBATCH` lines for your partition and time.\n",
     }
-    how["pytorchjob.yaml"] = ("## On Kubernetes, with the Kubeflow training operator\n\n"
-                              "    docker build -t IMAGE . && docker push IMAGE   # then name IMAGE in the manifest\n"
+    image = "    docker build -t IMAGE . && docker push IMAGE   # then name IMAGE in the manifest\n"
+    how["trainjob.yaml"] = ("## On Kubernetes, with Kubeflow Trainer\n\n" + image +
+                            "    kubectl apply -f trainjob.yaml\n\n"
+                            "A TrainJob (`trainer.kubeflow.org/v1alpha1`) for Kubeflow Trainer, the Kubeflow of 2025 on:\n"
+                            f"it runs on Trainer's `{TORCH_RUNTIME}` ClusterTrainingRuntime, one pod per node, whose\n"
+                            "torch plugin gives each pod's `torchrun` the node count, its node rank and the first pod's\n"
+                            "address. Mount a volume at `/job/output` to keep the weights.\n")
+    how["pytorchjob.yaml"] = ("## On Kubernetes, with the Kubeflow training operator (before Trainer)\n\n" +
+                              ("" if "trainjob.yaml" in files else image) +
                               "    kubectl apply -f pytorchjob.yaml\n\n"
-                              "One pod per node; the operator gives each pod's `torchrun` the node count, its node rank\n"
-                              "and the master's address. Mount a volume at `/job/output` to keep the weights.\n")
+                              "A PyTorchJob (`kubeflow.org/v1`), for clusters that still run the training operator,\n"
+                              "which Kubeflow replaced by Trainer in 2025 (`kubectl get crd pytorchjobs.kubeflow.org`\n"
+                              "says whether yours does). One pod per node; the operator gives each pod's `torchrun` the\n"
+                              "node count, its node rank and the master's address. Mount a volume at `/job/output` to\n"
+                              "keep the weights.\n")
     how["rayjob.yaml"] = ("## On Kubernetes, with KubeRay\n\n"
                           "    kubectl apply -f rayjob.yaml                   # the same image\n\n"
                           "The entrypoint, `python -m jupyter_scale.ray_job --workers N /job/train.py`, runs train.py\n"
@@ -235,7 +309,9 @@ def readme(shape: JobShape, files: list[str], values: dict[str, str], where: str
                           "(`RAY_ADDRESS=HEAD:6379 python -m jupyter_scale.ray_job --workers N train.py`).\n")
     sections += [text for name, text in how.items() if name in files]
     sections.append("## Security\n\ntorchrun's rendezvous store and gloo's connections carry no authentication: run the\n"
-                    "job on machines and networks only you (and those you trust) can reach.\n")
+                    "job on machines and networks only you (and those you trust) can reach. Whoever can write into\n"
+                    "this directory can change what you run: jupyter_scale writes it only into a directory that is\n"
+                    "yours and that no one else can write (its files 0600, its scripts 0700).\n")
     return "\n".join(sections)
 
 
@@ -250,14 +326,12 @@ def _installed(distribution: str) -> str:
 
 
 def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, automatic: bool, cell: int | None,
-          targets: tuple[str, ...] = TARGETS, root: Path | None = None) -> dict:
+          targets: tuple[str, ...] = TARGETS, root: Path | None = None,
+          values_when: str = "as they were at export") -> dict:
     """Write the job directory; returns what was written (files, the values' sizes).
-    A directory that holds anything but an earlier export is refused."""
-    if directory.exists() and any(directory.iterdir()):
-        earlier = directory / "train.py"
-        if not (earlier.is_file() and _MARK in earlier.read_text(errors="replace")[:2000]):
-            raise ExportError(f"cannot export: {directory} is not empty (and holds no earlier export); "
-                              "name a new directory")
+    A directory that holds anything but an earlier export, or that is not safe to write (see
+    jobdir), is refused before anything is written. `values_when`: when the saved values
+    were the notebook's, for the job's README."""
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ExportError(f"cannot export: unknown target {unknown[0]!r} (targets: {', '.join(TARGETS)})")
@@ -266,7 +340,6 @@ def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, auto
     if clash:
         raise ExportError(f"cannot export: the notebook's module {clash[0]!r} would overwrite the job's own file "
                           f"({local[clash[0]].name}); rename the module")
-    directory.mkdir(parents=True, exist_ok=True)
     where = f"In [{cell}]" if cell else "a %%distribute cell"
     files: dict[str, str] = {
         "train.py": export.script_text(plan, seed=seed, automatic=automatic, cell=cell,
@@ -276,34 +349,33 @@ def write(directory: Path, plan: ScriptPlan, shape: JobShape, *, seed: int, auto
             plan.modules | ({"ray"} if "ray" in targets else set()), local,
             extras={"ray": "default"} if "ray" in targets else None)),
     }
-    if "torchrun" in targets:
-        files["run.sh"] = run_sh(shape)
-    if "slurm" in targets:
-        files["job.sbatch"] = job_sbatch(shape)
-    if "kubeflow" in targets:
-        files["pytorchjob.yaml"] = pytorchjob_yaml(shape)
-    if "ray" in targets:
-        files["rayjob.yaml"] = rayjob_yaml(shape, _installed("ray") or "2.52.0")
-    if {"kubeflow", "ray"} & set(targets):
+    makers = {"torchrun": lambda: run_sh(shape), "slurm": lambda: job_sbatch(shape),
+              "trainjob": lambda: trainjob_yaml(shape), "kubeflow": lambda: pytorchjob_yaml(shape),
+              "ray": lambda: rayjob_yaml(shape, _installed("ray") or "2.52.0")}
+    for target in TARGETS:
+        if target in targets:
+            files[FILES[target]] = makers[target]()
+    if {"trainjob", "kubeflow", "ray"} & set(targets):
         files["Dockerfile"] = dockerfile(_installed("torch").split("+")[0])
-    sizes = {}
-    if plan.values:
-        sizes = export.save_values(plan.values, directory / "values.pt")
-    elif (directory / "values.pt").exists():  # an earlier export's: this script loads none
-        (directory / "values.pt").unlink()
-    shown = {name: export.human_size(n) for name, n in sizes.items()}
-    files["README.md"] = readme(shape, list(files), shown, where)
-    for name, text in files.items():
-        path = directory / name
-        path.write_text(text)
-        if name.endswith(".sh") or name.endswith(".sbatch"):
-            path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    for source in local.values():  # the notebook's own modules travel with the script
-        target = directory / source.name
-        if source.is_dir():
-            shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, target)
+    with JobDirectory.open(directory) as job:
+        if not job.created and job.names():
+            earlier = job.head("train.py")
+            if earlier is None or _MARK not in earlier:
+                raise ExportError(f"cannot export: {directory} is not empty (and holds no earlier export); "
+                                  "name a new directory")
+        sizes = {}
+        if plan.values:
+            with job.create("values.pt") as file:
+                sizes = export.save_values(plan.values, file)
+        else:  # an earlier export's: this script loads none
+            job.remove("values.pt")
+        shown = {name: export.human_size(n) for name, n in sizes.items()}
+        files["README.md"] = readme(shape, list(files), shown, where, values_when)
+        scripts = {FILES["torchrun"], FILES["slurm"]}
+        for name, text in files.items():
+            job.write(name, text, SCRIPT_MODE if name in scripts else FILE_MODE)
+        for source in local.values():  # the notebook's own modules travel with the script
+            job.copy_in(source)
+        total = job.size("values.pt") if plan.values else 0
     written = sorted([*files, *(["values.pt"] if plan.values else []), *(p.name for p in local.values())])
-    return {"directory": str(directory), "files": written, "values": sizes,
-            "total_values": (directory / "values.pt").stat().st_size if plan.values else 0}
+    return {"directory": str(directory), "files": written, "values": sizes, "total_values": total}

@@ -245,9 +245,16 @@ class ScaleMagics(Magics):
     @argument("--cell", type=_positive_int_named("--cell"), default=None,
               help="the cell to export, by its In [N] (default: the last %%%%distribute cell run)")
     @argument("--to", type=_targets, default=list(jobfiles.TARGETS),
-              help=f"comma-separated launch files to write: {','.join(jobfiles.TARGETS)} (default: all)")
+              help="comma-separated launch files to write: torchrun (run.sh), slurm (job.sbatch), trainjob (Kubeflow "
+                   "Trainer's TrainJob), kubeflow (a PyTorchJob, for clusters that still run Kubeflow's training "
+                   "operator), ray (a KubeRay RayJob); default: all")
     @argument("--no-values", action="store_true",
               help="save no notebook values: the script makes them with the notebook code that made them")
+    @argument("--from", dest="values_from", choices=["start", "now"], default=None,
+              help="for a cell that ran: save the values as it started (start: the copy kept before it ran, with "
+                   "%%config ScaleSession.export_keep_start = True), so that the job repeats the run; or as they are "
+                   "now, after it (now: the trained weights), so that the job trains on from there. Default: start "
+                   "when a copy was kept, else now, saying so")
     @argument("-n", "--workers", type=_positive_int, default=None,
               help="processes in all (default: the cell's --workers, else the cluster's size)")
     @argument("--nodes", type=_positive_int_named("--nodes"), default=1,
@@ -272,7 +279,7 @@ class ScaleMagics(Magics):
         self._report_export(self.session.export(
             args.directory, code=body, cell=number, targets=args.to, save_values=not args.no_values,
             workers=workers, nodes=args.nodes, image=args.image, gpus_per_node=gpus or 0,
-            manual=bool(cell and cell.manual)))
+            manual=bool(cell and cell.manual), values_from=args.values_from or "auto"))
 
     @staticmethod
     def _report_export(done: dict) -> None:
@@ -281,7 +288,8 @@ class ScaleMagics(Magics):
             from .export import human_size
 
             sizes = ", ".join(f"{name} {human_size(n)}" for name, n in done["values"].items())
-            print(f"  values.pt: {human_size(done['total_values'])} ({sizes})")
+            when = {"start": ", as the cell started", "now": ", as they are now"}.get(done.get("values_from", ""), "")
+            print(f"  values.pt: {human_size(done['total_values'])} ({sizes}){when}")
         if "run.sh" in done["files"]:
             print(f"  run it here: bash {done['directory']}/run.sh")
 
@@ -327,6 +335,7 @@ class ScaleMagics(Magics):
             %scale connect ipcontroller-client.json --rendezvous 10.2.0.0/16   # meet on that network
             %scale export job                           # the last %%distribute cell as a job directory
             %scale export job --cell 7 --to torchrun,slurm --nodes 2 --no-values
+            %scale export job --from now                # the values as they are, not as the cell started
         """
         if line.split()[:1] == ["export"]:  # its own arguments
             return self._export(line.split(None, 1)[1] if len(line.split()) > 1 else "")

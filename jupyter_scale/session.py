@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import zmq
-from traitlets import Bool, Float, Integer, List, Unicode, default
+from traitlets import Bool, Float, Integer, List, Unicode, default, observe
 from traitlets.config import LoggingConfigurable
 
 from . import (
@@ -827,9 +827,28 @@ class ScaleSession(LoggingConfigurable):
                 "Where every user and host is trusted: %config ScaleSession.allow_unauthenticated_servers = True "
                 "(see README, Frameworks)")
 
+    # The export's, kept beside it (see cellstart).
+    export_keep_start = Bool(False, config=True,
+                             help="Before each %%distribute cell, keep a deep copy of the notebook values it reads "
+                                  "(as they are before it runs), so that %scale export after the cell writes the "
+                                  "values the cell started from and its job repeats the run (--from start). Costs "
+                                  "memory for a second copy of those values (the last cell's only) and the time to "
+                                  "copy them at every cell. Off: nothing is copied, and an export after a cell saves "
+                                  "the values as they are then (the trained weights) and says so.")
+
+    @observe("export_keep_start")
+    def _keep_start_changed(self, change: Any) -> None:
+        from . import cellstart
+
+        # While the session is being made (the setting in a config file) it has no observers
+        # yet: the extension attaches the keeper as it loads.
+        if getattr(self, "observers", None) is not None:
+            cellstart.attach(self).start = None  # turned off: the copy goes; on: from the next cell
+
     def export(self, directory: str | os.PathLike, *, code: str | None = None, cell: int | None = None,
                targets: Sequence[str] = jobfiles.TARGETS, save_values: bool = True, workers: int | None = None,
-               nodes: int = 1, image: str | None = None, gpus_per_node: int = 0, manual: bool = False) -> dict:
+               nodes: int = 1, image: str | None = None, gpus_per_node: int = 0, manual: bool = False,
+               values_from: str = "auto") -> dict:
         """Write a %%distribute cell as a job directory (train.py, its values, run.sh,
         job.sbatch, Kubeflow and KubeRay manifests; see jupyter_scale.export and jobfiles).
 
@@ -837,9 +856,18 @@ class ScaleSession(LoggingConfigurable):
         In [`cell`] or the last %%distribute cell run (see distribute_cell; its %%distribute
         options are for the caller to read). `workers` in all over `nodes` (default: the
         cluster's size); `manual`: the cell is --manual. `save_values=False`: the notebook's
-        values are made by the notebook code that made them, not saved. Raises ExportError
-        naming what cannot be exported; writes nothing then.
+        values are made by the notebook code that made them, not saved. `values_from`, for a
+        cell that ran: "start" saves the values as it started (kept by `export_keep_start`),
+        "now" as they are; "auto" the start when it was kept, else now, saying so in one line
+        when its run wrote any of them back (see cellstart). Raises ExportError naming what
+        cannot be exported; writes nothing then. The directory must be the user's own, which
+        no one else can write (see jobdir).
         """
+        from . import cellstart
+
+        if values_from != "auto" and not save_values:
+            raise export.ExportError("cannot export: --from picks the saved values; with --no-values the notebook's "
+                                     "code makes them")
         cells = self._executed_cells()
         if code is None:
             cell, _, code = self.distribute_cell(cell)
@@ -864,6 +892,9 @@ class ScaleSession(LoggingConfigurable):
                                       injected=worker.INJECTED_NAMES)
         except SyntaxError as exc:
             raise export.ExportError(f"cannot export: the cell is not valid Python: {exc}") from None
+        keeper = cellstart.keeper(self)
+        plan.values, values_from, note = cellstart.choose(plan.values, self.runs, cell,
+                                                          keeper.start if keeper else None, values_from)
         name = jobfiles.job_name(os.path.basename(os.path.abspath(directory)))
         shape = jobfiles.JobShape(name=name, per_node=workers // nodes, nodes=nodes, image=image or f"{name}:latest",
                                   gpus_per_node=gpus_per_node)
@@ -875,8 +906,14 @@ class ScaleSession(LoggingConfigurable):
         else:
             with torch.random.fork_rng(devices=[]):
                 seed = _draw_seed()
-        return jobfiles.write(Path(directory), plan, shape, seed=seed, automatic=not manual, cell=cell,
-                              targets=tuple(targets))
+        when = {"start": f"as In [{cell}] started (copied before it ran)",
+                "now": f"as they were at export, after In [{cell}] ran"}.get(values_from, "as they were at export")
+        done = jobfiles.write(Path(directory), plan, shape, seed=seed, automatic=not manual, cell=cell,
+                              targets=tuple(targets), values_when=when)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        done["values_from"] = values_from
+        return done
 
     def _executed_cells(self) -> list[tuple[int | None, str]]:
         """(In [n] or None, source) of the notebook's cells run so far: those IPython's history

@@ -31,7 +31,8 @@ md("""# From the notebook to a job: `%scale export`
 A cell that trains well with `%%distribute` becomes a job directory that runs without the
 notebook: `train.py` (the notebook code the cell needs, then the cell), the notebook's values
 it reads (`values.pt`), and how to launch it: `run.sh` (torchrun), `job.sbatch` (Slurm),
-`pytorchjob.yaml` (Kubeflow) and `rayjob.yaml` (KubeRay), with a `Dockerfile`, a pinned
+`trainjob.yaml` (Kubeflow Trainer), `pytorchjob.yaml` (Kubeflow's older training operator) and
+`rayjob.yaml` (KubeRay), with a `Dockerfile`, a pinned
 `requirements.txt` and a README.
 
 This notebook exports a training cell, runs the job with the real `torchrun`, and checks that
