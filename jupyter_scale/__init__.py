@@ -21,6 +21,7 @@ from .errors import (
     WorkerDied,
     WorkerLost,
 )
+from .libraries import rebuild_on_workers
 from .metrics import report
 from .training import shard, shard_model, wrap
 
@@ -59,9 +60,13 @@ def history(as_frame: bool = False):
 
 def load_ipython_extension(ip) -> None:
     from . import cellstart
+    from .libraries import watch
     from .magics import ScaleMagics
     from .sidebar import SidebarChannel
 
+    # Before the notebook builds a Trainer or an Accelerator: what it was built with is what
+    # rebuilds it on the workers.
+    watch()
     session = get_session()
     session.record_cells()  # what %scale export slices
     cellstart.attach(session)  # and where each cell started, while ScaleSession.export_keep_start is on
@@ -80,7 +85,7 @@ def unload_ipython_extension(ip) -> None:
 
 __all__ = [
     "__version__", "get_session", "history", "report", "shard", "shard_model", "sync_batchnorm", "wrap", "save_checkpoint",
-    "load_checkpoint",
+    "load_checkpoint", "rebuild_on_workers",
     "DistributeError", "ClusterError", "RemoteError", "ShippingError", "WorkerDied", "CellTimeout",
     "WorkerLost", "WorkerCallFailed",
 ]

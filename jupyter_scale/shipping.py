@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import xxhash
 
-from . import writewatch
+from . import libraries, writewatch
 from .errors import ShippingError
 
 # --------------------------------------------------------------------------------------
@@ -479,6 +479,9 @@ class _NamespaceFunctions:
                 (state, slotstate), None, None, _cloudpickle._function_setstate)
 
     def reducer_override(self, obj):
+        # An object that read the process it was built in is rebuilt where it lands (libraries.py).
+        if (rebuilt := libraries.reduce(obj)) is not None:
+            return rebuilt
         if (self.namespace is not None and isinstance(obj, type) and obj.__module__ == "__main__"
                 and self.namespace.get(obj.__qualname__) is obj):
             self.reads.add(obj.__qualname__)

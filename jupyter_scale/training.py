@@ -10,6 +10,7 @@ import functools
 import sys
 import warnings
 import weakref
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch.utils.data import (
 )
 
 from . import rendezvous
+from .notes import ITERABLE, NOTHING_DISTRIBUTED, OWN_SAMPLER, SAME_BATCHES, SameGradients, sampler_chain, splits
 from .overlap import Overlap, buckets, divide_into
 
 _sharding = None  # the Sharding of the --shard cell running now
@@ -644,31 +646,15 @@ def note_collective() -> None:
         _active._distributed_work = True  # the cell combines something across ranks itself
 
 
-def _sampler_chain(*samplers) -> list:
-    """The samplers a loader draws from: each, then what it wraps (`.batch_sampler`, `.sampler`).
-
-    Libraries wrap samplers in their own (accelerate: BatchSamplerShard around the loader's
-    BatchSampler around its sampler); only attributes tell what is inside.
-    """
-    chain: list = []
-    todo = list(samplers)
-    while todo and len(chain) < 16:  # a few deep; the cap stops attributes that build new objects
-        sampler = todo.pop(0)
-        if sampler is None or any(sampler is seen for seen in chain):
-            continue
-        chain.append(sampler)
-        todo += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
-    return chain
-
-
-def _splits(sampler) -> bool:
-    """Whether a sampler splits the data across ranks by itself (duck-typed).
-
-    A DistributedSampler (and Lightning's, which derive from it) says so with
-    `num_replicas`, accelerate's BatchSamplerShard with `num_processes`.
-    """
-    return any(isinstance(n, int) and n > 1
-               for n in (getattr(sampler, "num_replicas", None), getattr(sampler, "num_processes", None)))
+@contextmanager
+def _own():
+    """Collectives automatic mode runs for the cell (averaging) are not the cell's own."""
+    global _own_collectives
+    _own_collectives += 1
+    try:
+        yield
+    finally:
+        _own_collectives -= 1
 
 
 def _leave_split_to_wrapper(loader: DataLoader) -> None:
@@ -677,8 +663,8 @@ def _leave_split_to_wrapper(loader: DataLoader) -> None:
     accelerate's `prepare` (the Hugging Face Trainer's too) builds a new loader around the
     old one's batch sampler; sharded twice, each rank would see 1/world² of the data.
     """
-    chain = _sampler_chain(loader.batch_sampler, loader.sampler)
-    if any(_splits(s) and not _injected(s) for s in chain):
+    chain = sampler_chain(loader.batch_sampler, loader.sampler)
+    if any(splits(s) and not _injected(s) for s in chain):
         for sampler in filter(_injected, chain):
             sampler.pass_through()
 
@@ -793,16 +779,6 @@ def _register_ddp(ddp: DistributedDataParallel) -> None:
     ddp.register_forward_pre_hook(mark_used)
 
 
-OWN_SAMPLER = ("jupyter_scale: a DataLoader with its own sampler is not sharded automatically; every rank "
-               "iterates all of it (use a DistributedSampler, jupyter_scale.shard(loader), or --manual)")
-ITERABLE = ("jupyter_scale: a DataLoader over an IterableDataset is not sharded automatically; every rank "
-            "iterates all of it (split the stream by `rank` and `world_size` in the dataset)")
-NOTHING_DISTRIBUTED = (
-    "jupyter_scale: this cell computed gradients but sharded no DataLoader and averaged no gradients, "
-    "so every rank did the same work alone. To split it, draw batches from a DataLoader (or "
-    "jupyter_scale.shard(...)) and update with a torch.optim optimizer; --manual silences this.")
-
-
 class Sharding:
     """While a --shard cell runs on a worker: building an optimizer shards the models it
     trains first (see sharded_params). Entered around the cell and left afterwards."""
@@ -872,8 +848,11 @@ class AutoMode:
         self._warned: set[str] = set()
         self._warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
         self._backward = False  # a backward pass ran in the cell
-        # A loader was sharded, gradients were averaged or the cell ran a collective itself.
+        # The data was split (a sharded loader, shard()), a DDP or FSDP model combined gradients,
+        # or the cell ran a collective itself.
         self._distributed_work = False
+        self._averaged = False  # gradients were averaged: the ranks' own, if they saw different data
+        self._same = SameGradients()  # whether they did (see notes.py)
         # Averaging during backward (see overlap.py): for the cell's one optimizer, once every
         # rank called backward() once per step; off for the rest of the cell when a second
         # optimizer steps, a closure is used or a DDP model is built (the same on every rank).
@@ -898,10 +877,14 @@ class AutoMode:
         global _active
         _active = None
         self._stop_overlap(catch_up=exc_type is None)  # no hooks act between cells
-        if exc_type is None and self._backward and not self._distributed_work:
-            # Hand-made batches and a hand-written update (the PyTorch word language model
-            # example): nothing for automatic mode to hook, so the ranks repeat each other.
+        if exc_type is not None or not self._backward or self._distributed_work:
+            return
+        if not self._averaged:
+            # A hand-written update without clipping: nothing for automatic mode to hook.
             self._warn(NOTHING_DISTRIBUTED)
+        elif self._same.same and not self._warned & {"sampler", "iterable"}:  # those said it already
+            # Hand-made batches from the whole data: averaging the same gradients changes nothing.
+            self._warn(SAME_BATCHES)
 
     # -- DataLoaders ---------------------------------------------------------------
     def _sampler_for(self, dataset, sampler, batch_sampler, shuffle):
@@ -935,9 +918,9 @@ class AutoMode:
         Judged here, not when the loader is built: a library may build a loader with its
         own sampler and then iterate only its own distributing wrapper of it (accelerate).
         """
-        chain = _sampler_chain(loader.batch_sampler, loader.sampler)
+        chain = sampler_chain(loader.batch_sampler, loader.sampler)
         # A dataset splits too: shard(dataset)'s Subset, accelerate's IterableDatasetShard.
-        if getattr(loader.dataset, "_jupyter_scale_shard", False) or any(map(_splits, [*chain, loader.dataset])):
+        if getattr(loader.dataset, "_jupyter_scale_shard", False) or any(map(splits, [*chain, loader.dataset])):
             self._distributed_work = True
         elif isinstance(loader.dataset, IterableDataset):
             self._warn_once("iterable", ITERABLE)
@@ -958,19 +941,33 @@ class AutoMode:
         # since is its own, as under DDP.
         skip = {id(p) for ddp in list(DDP_MODELS) if getattr(ddp, "_jupyter_scale_used", False)
                 for p in ddp.parameters()}
-        skip.update(id(p) for p in params if is_sharded(p))
-        if self._overlap is not None:
-            self._overlap.catch_up()
-            skip.update(id(p) for p in params if self._overlap.holds(p))
-        self._distributed_work = True
-        return _average_gradients(params, skip, extra)
+        sharded = {id(p) for p in params if is_sharded(p)}
+        if sharded:
+            self._distributed_work = True  # FSDP combined them, in collectives of its own
+        skip |= sharded
+        with _own():
+            if self._overlap is not None:
+                self._overlap.catch_up()
+                skip.update(id(p) for p in params if self._overlap.holds(p))
+            digest = self._same.extra([p.grad for p in params if p.requires_grad and id(p) not in skip])
+            sums = _average_gradients(params, skip, extra + digest)
+        if sums is None:
+            return None
+        self._averaged = True
+        self._same.reduced(sums[len(extra):], dist.get_world_size())
+        return sums[:len(extra)]
 
     def _backward_pass(self, backward, args, kwargs):
         self._backward = True
         self._backward_calls += 1
+        self._same.backward()
         overlap = self._overlap
         if overlap is None or not _distributed():
             return backward(*args, **kwargs)
+        with _own():  # the hooks' collectives are automatic mode's, not the cell's
+            return self._overlapped_backward(overlap, backward, args, kwargs)
+
+    def _overlapped_backward(self, overlap, backward, args, kwargs):
         if kwargs.get("create_graph") or (len(args) > 3 and args[3]):
             # The gradients carry a graph that a second backward may use: written into at the
             # step, not now (every rank is here: the step averages them, as before).
@@ -995,7 +992,8 @@ class AutoMode:
         if overlap is not None:
             try:
                 if catch_up and _distributed():
-                    overlap.catch_up()
+                    with _own():
+                        overlap.catch_up()
             finally:
                 overlap.remove()
 
@@ -1102,17 +1100,13 @@ def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
     Only names that every rank holds with the same tensor names, shapes and dtypes take
     part (a collective needs the same calls on every rank). Returns those names.
     """
-    global _own_collectives
     named = _named_tensors(namespace, tensors_of)
     signatures = _signatures(named)
-    _own_collectives += 1  # resync runs inside the automatic-mode cell, before the cell's code
-    try:
+    with _own():  # resync runs inside the automatic-mode cell, before the cell's code
         everyone = rendezvous.all_gather_json(signatures, _group_device())
         mine = everyone[dist.get_rank()]  # as JSON made it (lists for tuples), to compare alike
         common = [n for n in sorted(named) if all(other.get(n) == mine[n] for other in everyone)]
         _broadcast(named, common)
-    finally:
-        _own_collectives -= 1
     return common
 
 
