@@ -101,7 +101,7 @@ class _ReplyRequired(TypedDict):
 
 
 class Returned(TypedDict, total=False):
-    """Rank 0's account of what came back of a cell's effects (worker._Return)."""
+    """Rank 0's account of what came back of a cell's effects (sendback.Return)."""
 
     adopt: list[str]  # values written into the notebook's objects of those names
     deleted: list[str]  # names the cell deleted
