@@ -91,11 +91,13 @@ class Puller:
                     adopt = set(header.get("returned", {}).get("adopt", ()))
                     for key, value in values.items():
                         name = key.removeprefix(statesync.BEFORE)
+                        if not self.shipper.eligible(name):  # IPython's own (`_i`, `Out`): the kernel's
+                            continue
                         if key in adopt and name in self.namespace and statesync.adopt(self.namespace[name], value):
                             continue
                         if key == name:  # a name's object as the cell started that cannot take it stays as it was
                             self.namespace[name] = value
-                    names = [n for n in names if not n.startswith(statesync.BEFORE)]
+                    names = [n for n in names if not n.startswith(statesync.BEFORE) and self.shipper.eligible(n)]
             except Exception as exc:  # e.g. the architecture changed, or a class is missing here
                 print(f"jupyter_scale: could not pull {listed(names)} back: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
@@ -113,8 +115,9 @@ class Puller:
         if taken is not None:  # the values did not load: no token of theirs is held
             self.shipper.took_back({}, returned.get("back", {}).get("count", 0))
         for name in returned.get("deleted", ()):  # deleted by the cell, as a local run would
-            self.namespace.pop(name, None)
-            self.shipper.forget_name(name)
+            if self.shipper.eligible(name):
+                self.namespace.pop(name, None)
+                self.shipper.forget_name(name)
         if returned.get("too_big"):
             sizes = ", ".join(f"{n!r} ({human_size(b)})" for n, b in returned["too_big"].items())
             print(f"jupyter_scale: {sizes} stay{'s' if len(returned['too_big']) == 1 else ''} on the workers: "
