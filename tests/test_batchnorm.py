@@ -284,6 +284,7 @@ class BNConv(nn.Module):
 torch.manual_seed(0)
 bn_model = BNConv()
 bn_start = copy.deepcopy(bn_model)
+bn_start_conv = bn_model.conv  # the notebook's own layer, which the pull-back writes into
 g = torch.Generator().manual_seed(1)
 # Per-sample offsets, so that two ranks' shards have clearly different statistics.
 images = torch.randn(256, 3, 8, 8, generator=g) + 2 * torch.randn(256, 3, 1, 1, generator=g)
@@ -354,10 +355,12 @@ assert not torch.allclose(m0, alone.bn.running_mean, atol=1e-3), "the check cann
 # At the end, before rank 0's buffers were broadcast, the ranks' statistics agree.
 s0, s1 = session.gather("bn_stats")
 assert torch.equal(s0, s1), (s0 - s1).abs().max()
-# The notebook's model (still a plain BatchNorm2d) came back with rank 0's weights and buffers.
+# The notebook's model came back converted, as the cell run locally leaves it (sync_batchnorm
+# converts in place; outside %%distribute the layer normalizes as a plain BatchNorm2d), with
+# rank 0's weights and buffers.
 w0, w1 = session.gather("bn_weights")
 assert torch.equal(w0, w1), "ranks diverged"
-assert type(bn_model.bn) is nn.BatchNorm2d
+assert type(bn_model.bn) is jupyter_scale.batchnorm.SyncBatchNorm and bn_model.conv is bn_start_conv
 assert torch.equal(torch.cat([p.detach().flatten() for p in bn_model.parameters()]), w0)
 assert torch.equal(torch.cat([b.flatten().float() for b in bn_model.buffers()]), s0)
 assert not torch.equal(bn_model.conv.weight, bn_start.conv.weight), "did not train"
