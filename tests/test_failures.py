@@ -269,8 +269,12 @@ while time.time() - started < 120:      # far longer than the test lets it run
 # Run on the workers: how many threads gloo's process groups run in this process.
 GLOO_THREADS = """
 import os
-gloo_threads = sum(open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo_"))
-                   for t in os.listdir("/proc/self/task"))
+def _thread_name(t):
+    try:
+        return open(f"/proc/self/task/{t}/comm").read()
+    except (FileNotFoundError, ProcessLookupError):  # a thread that ended since it was listed
+        return ""
+gloo_threads = sum(_thread_name(t).startswith(("pt_gloo", "gloo_")) for t in os.listdir("/proc/self/task"))
 """
 
 
