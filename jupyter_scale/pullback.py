@@ -66,7 +66,7 @@ class Puller:
                 elif kind == "state_dict":
                     # Copied into the notebook's model at once: no copy before.
                     value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
-                    module = self.namespace[names[0]]
+                    module = self.namespace[names[0].removeprefix(statesync.BEFORE)]
                     same, digests = header.get("state_digests", {}).get(names[0], ([], {}))
                     own = module.state_dict(keep_vars=True)
                     # The notebook holds these bytes already: copying a tensor onto itself is a no-op.
@@ -103,6 +103,8 @@ class Puller:
                       file=sys.stderr, flush=True)
                 continue
             for name in names:
+                if name.startswith(statesync.BEFORE):  # its name is bound anew, below
+                    continue
                 record.pulled.append(name)
                 # The notebook now holds what the workers hold: don't send it back unchanged.
                 if kind == "state_dict":

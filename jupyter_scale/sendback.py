@@ -42,7 +42,12 @@ class Return:
                     self.errors[name] = "is not defined on the workers"
                 continue
             if name in self.pull or (name in self.rebound and name not in self.wrapped):
-                continue  # by value, below
+                before = self.snapshot.values.get(name) if self.snapshot is not None else None
+                if isinstance(before, torch.nn.Module) and name not in self.pull:
+                    # Rebound after the cell changed the notebook's model (`net.load_state_dict(...);
+                    # net = Net()`): the notebook's model, which other names may hold, takes the change.
+                    self._module(statesync.BEFORE + name, before, values, out_frames, tensor_frames)
+                continue  # the name's new value: by value, below
             self._module(name, statesync.unwrap(self.ns[name]), values, out_frames, tensor_frames)
         for name in self.pull:
             if name not in self.ns:
@@ -89,8 +94,9 @@ class Return:
             else:
                 self.pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
             return
-        notebook = self.request.get("digests", {}).get(name, {})
-        if name in self.changed:  # its structure changed: whole, but for the tensors the notebook holds
+        notebook = self.request.get("digests", {}).get(name.removeprefix(statesync.BEFORE), {})
+        if name.removeprefix(statesync.BEFORE) in self.changed:  # its structure changed: whole, but for
+            # the tensors the notebook holds
             state = value.state_dict(keep_vars=True)
             same, _, _ = shipping.drop_unchanged(dict(state), notebook)
             self.same.update(id(state[key]) for key in same)

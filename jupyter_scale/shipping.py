@@ -612,10 +612,12 @@ class _ShipPickler(_NamespaceFunctions, cloudpickle.Pickler):
     def __init__(self, file, shipper: Shipper, plan: Plan, sent: list[str], buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         # By value, but the object of a name the workers hold already (the notebook bound it
-        # to another name too: `alias = items`), which is a reference to it.
-        held = set(plan.values) - set(sent)
-        self._init_namespace(shipper.namespace, plan.named,
-                             {id(plan.values[n]) for n in sent if plan.named.get(id(plan.values[n])) not in held})
+        # to another name too: `alias = items`), which is a reference to that name.
+        held = [n for n in plan.values if n not in sent]
+        named = dict(plan.named)
+        named.update((id(plan.values[n]), n) for n in held if id(plan.values[n]) in plan.named)
+        self._init_namespace(shipper.namespace, named,
+                             {id(plan.values[n]) for n in sent if named.get(id(plan.values[n])) not in held})
         self.shipper = shipper
         self.tensors = plan.tensors
         self.tensor_buffers: list[pickle.PickleBuffer] = []

@@ -474,3 +474,10 @@ def test_a_name_bound_to_an_object_the_workers_hold_under_another_name_stays_tha
 def test_names_a_cell_binds_and_surely_deletes():
     stores, deletes = shipping.stored_names("a = 1\nif a:\n    b = 2\n    del c\nfor i in range(2):\n    pass\ndel d\n")
     assert stores == ["a", "b", "i"] and deletes == ["d"]
+
+
+def test_a_name_sent_for_an_object_the_workers_hold_under_a_later_name_stays_that_object():
+    link = NotebookLink("items = [0, 1]\nalias = items\n")
+    link.send("alias")  # the workers hold the list as `alias`; `items` comes first in the notebook
+    _, shipment = link.send("alias", "items")
+    assert shipment.skipped == ["alias"] and link.worker["items"] is link.worker["alias"]

@@ -234,3 +234,11 @@ sm_opt.step()
     assert "sm_opt's lr differs: rank 0 0.05, rank 1 0.025" in out.stderr, out.stderr
     assert "sm_net's weights differ on rank 1 from rank 0's" in out.stderr, out.stderr
     assert "dist.all_reduce" in out.stderr and k.value("sm_opt.param_groups[0]['lr']") == 0.05
+
+
+def test_a_model_the_cell_changes_then_rebinds_is_changed_in_the_notebook_too(k):
+    """`net.load_state_dict(...); net = Net()`: locally the old model, which other names hold,
+    keeps the loaded weights."""
+    k.ok(MODEL + "sm_holder = {'net': sm_net}")
+    k.ok("%%distribute\nwith torch.no_grad():\n    sm_net[0].weight.fill_(1.0)\nsm_net = nn.Linear(1, 1)")
+    assert k.value("bool((sm_holder['net'][0].weight == 1).all()) and isinstance(sm_net, nn.Linear)") is True
