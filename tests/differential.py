@@ -140,7 +140,8 @@ def _statement(r: random.Random, facts: _Facts, distributed: bool) -> str | None
         ("holder", "holder", "holder['net'].eval()"),
         ("label", "label", "del label"),
         ("sched", "opt", "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)"),
-        ("sched", "sched", "opt.step()\nsched.step()"),
+        # Gradients (`.grad`) stay on the workers (README: what differs): a step starts from none.
+        ("sched", "sched", "opt.zero_grad()\nopt.step()\nsched.step()"),
         ("net", "opt", f"train({r.choice([1, 2])})"),
         ("net", "net", "net = torch.compile(net, backend='eager')"),
     ]
