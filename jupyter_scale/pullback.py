@@ -42,7 +42,8 @@ class Puller:
         held = None
         values: dict
         hashed: list = []
-        taken: dict | None = {}  # token -> tensor, of the tensors that came back with a token, until taken
+        returned = header.get("returned", {})
+        back_tokens = returned.get("back", {}).get("count", 0)  # given by rank 0 to tensors it sent back
         kept = [names[0] for names, kind, _ in header.get("pulled", []) if kind == "kept"]
         if kept:
             print(f"jupyter_scale: {listed(kept)} stay{'s' if len(kept) == 1 else ''} sharded on the workers "
@@ -86,9 +87,9 @@ class Puller:
                     # so is each value of the notebook's that the cell changed in place.
                     held = self.shipper.held_tensors() if held is None else held
                     values, taken = shipping.load_values(names, stream, buffers, self.namespace, held)
-                    self.shipper.took_back(taken, header.get("returned", {}).get("back", {}).get("count", 0))
-                    taken = None
-                    adopt = set(header.get("returned", {}).get("adopt", ()))
+                    self.shipper.took_back(taken, back_tokens)
+                    back_tokens = 0
+                    adopt = set(returned.get("adopt", ()))
                     for key, value in values.items():
                         name = key.removeprefix(statesync.BEFORE)
                         if not self.shipper.eligible(name):  # IPython's own (`_i`, `Out`): the kernel's
@@ -113,9 +114,8 @@ class Puller:
                     self.shipper.mark_synced(name, self.namespace[name])
         for name, problem in header.get("pull_errors", {}).items():
             print(f"jupyter_scale: could not pull {name!r}: it {problem}", file=sys.stderr, flush=True)
-        returned = header.get("returned", {})
-        if taken is not None:  # the values did not load: no token of theirs is held
-            self.shipper.took_back({}, returned.get("back", {}).get("count", 0))
+        if back_tokens:  # the values did not load: no token of theirs is held
+            self.shipper.took_back({}, back_tokens)
         for name in returned.get("deleted", ()):  # deleted by the cell, as a local run would
             if self.shipper.eligible(name):
                 self.namespace.pop(name, None)

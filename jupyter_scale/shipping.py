@@ -1255,7 +1255,11 @@ def dump_values(values: dict[str, Any], namespace: dict, held: dict[int, int], *
         start, first = file.tell(), len(buffers)
         # By value where it is the receiver's object under this very name (to be written into
         # it), else a reference when the receiver holds it (another name's object).
-        pickler.inline = {id(value)} if named.get(id(value)) == (own or {}).get(name, name) else set()
+        stands_for = (own or {}).get(name, name)
+        pickler.inline = {id(value)} if named.get(id(value)) == stands_for else set()
+        # A key standing for another name's object (one the notebook writes into) gives no
+        # tokens: the other ranks, walking the names' values alike, never meet it.
+        pickler.back = back if stands_for == name else None
         pickler.dump(value)
         sizes[name] = file.tell() - start + sum(b.raw().nbytes for b in buffers[first:])
     tensor_buffers = {id(b) for b in pickler.tensor_buffers}

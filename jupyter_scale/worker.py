@@ -474,7 +474,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     received = False
     before = None  # the namespace's bindings when the cell's code started
     snapshot = None  # rank 0's digests of what the cell can reach (see statesync)
-    buffers = replicas = None
+    buffers = replicas = bound = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
     if rank != 0 and request.get("register_back"):
@@ -531,8 +531,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
                 # The kernel compares every rank's and asks for `sync_buffers` if any.
                 buffers = training.buffer_signatures(_state.namespace)
                 # And these, to say where the ranks' models or optimizers drifted apart.
-                touched = {*(request.get("watch") or ()), *_rebound(before)}
-                replicas = statesync.replica_digests(_state.namespace, touched)
+                bound = _bound_by_cell(before, request)
+                replicas = statesync.replica_digests(_state.namespace, {*(request.get("watch") or ()), *bound})
         _cell_may_be_interrupted(False)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
         _cell_may_be_interrupted(False)
@@ -565,12 +565,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     import torch.distributed as dist
 
     _state.group_ready = _state.group_ready and dist.is_initialized()  # the cell may destroy it
-    # A name the cell assigned counts as bound even when it holds the object it held before
-    # (an interned string, a small int): the notebook may not hold it.
-    # So does a name it deleted that this worker did not hold.
-    stored = [n for n in request.get("stores", ()) if n in _state.namespace and n not in INJECTED_NAMES]
-    deleted = [n for n in request.get("deletes", ()) if n not in _state.namespace]
-    rebound = sorted({*_rebound(before), *stored, *deleted})
+    rebound = bound if bound is not None else _bound_by_cell(before, request)
     header = {"status": "ok", "rank": rank, "group_ready": _state.group_ready, "received": True,
               "elapsed": time.time() - started, "buffers": buffers, "replicas": replicas, "rebound": rebound,
               **_close_events(sink, "finished")}
@@ -631,6 +626,15 @@ def _rebound(before: dict[str, int]) -> list[str]:
     after = _bindings()
     changed = {n for n, i in after.items() if before.get(n) != i} | (before.keys() - after.keys())
     return sorted(changed - set(INJECTED_NAMES))
+
+
+def _bound_by_cell(before: dict[str, int], request: CellRequest) -> list[str]:
+    """What the cell bound, rebound or deleted (see _rebound), and also the names it assigned
+    that hold the object they held before (an interned string, a small int: the notebook may
+    not hold it), and those it deleted that this worker did not hold."""
+    stored = [n for n in request.get("stores", ()) if n in _state.namespace and n not in INJECTED_NAMES]
+    deleted = [n for n in request.get("deletes", ()) if n not in _state.namespace]
+    return sorted({*_rebound(before), *stored, *deleted})
 
 
 def sync_buffers(names: list[str]) -> None:
