@@ -19,19 +19,26 @@ from __future__ import annotations
 import copy
 import types
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .export import ExportError
 
 if TYPE_CHECKING:
-    from .run import RunRecord
-    from .session import ScaleSession
+    from .records import RunRecord
 
 CHOICES = ("auto", "start", "now")
 # Code and modules: an export writes them as code, so they need no copy (and most cannot be copied).
 _NOT_COPIED = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+class Observed(Protocol):
+    """What the keeper reads of the session that it observes."""
+
+    export_keep_start: bool
+    namespace: dict
+    observers: list
 
 
 @dataclass
@@ -47,7 +54,7 @@ class StartKeeper:
     """A session observer (see ScaleSession.observers): copies each torch cell's values as it
     starts, while `export_keep_start` is on."""
 
-    def __init__(self, session: ScaleSession):
+    def __init__(self, session: Observed):
         self.session = session
         self.start: Start | None = None
 
@@ -81,7 +88,7 @@ def _deep_copies(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     return copies, failed
 
 
-def attach(session: ScaleSession) -> StartKeeper:
+def attach(session: Observed) -> StartKeeper:
     """The session's StartKeeper, registered with it once."""
     found = keeper(session)
     if found is None:
@@ -90,7 +97,7 @@ def attach(session: ScaleSession) -> StartKeeper:
     return found
 
 
-def keeper(session: ScaleSession) -> StartKeeper | None:
+def keeper(session: Observed) -> StartKeeper | None:
     return next((o for o in getattr(session, "observers", ()) if isinstance(o, StartKeeper)), None)
 
 

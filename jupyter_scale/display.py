@@ -8,14 +8,13 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import metrics
 from .backends import Output
 
 if TYPE_CHECKING:
-    from .run import RunRecord
-    from .session import ScaleSession
+    from .records import RunRecord
 
 _LINE_END = re.compile(r"[\r\n]")  # what ends a segment of a rank's output
 
@@ -75,13 +74,13 @@ class RunView:
 
     MAX_RATE = 10.0  # dashboard updates per second at most, whatever the report rate
 
-    def __init__(self, session: ScaleSession, record: RunRecord, total_steps: int | None):
-        self.text = metrics.TextProgress(session.progress_interval)
+    def __init__(self, widget: bool, progress_interval: float, record: RunRecord, total_steps: int | None):
+        self.text = metrics.TextProgress(progress_interval)
         self.feed = None
         self.widget = self.handle = None
         self._pushed_at, self._dirty = 0.0, False
         self._started = time.monotonic()
-        if wants_widget(session):
+        if widget:
             from IPython.display import display
 
             from .widgets import Dashboard, DashboardFeed
@@ -102,6 +101,7 @@ class RunView:
         now = time.monotonic()
         if self.feed is not None:
             if self._dirty and now - self._pushed_at >= 1.0 / self.MAX_RATE:
+                assert self.widget is not None  # made with the feed
                 self.feed.push(self.widget)
                 self._pushed_at, self._dirty = now, False
         elif self.text.due():
@@ -112,6 +112,7 @@ class RunView:
             if self.text.last:
                 write("stdout", f"jupyter_scale: {self.text.line()}  ({time.monotonic() - self._started:.1f} s)\n")
             return
+        assert self.widget is not None  # made with the feed
         self.feed.finish(record.status, record.error, record.lost_events)
         self.feed.push(self.widget)
         if self.handle is None:  # not in a kernel: nothing to update
@@ -119,7 +120,7 @@ class RunView:
         # Keep a static picture next to the live view: it is what a reopened notebook shows.
         from .widgets import snapshot_html
 
-        shown = self.widget._repr_mimebundle_() or {}
+        shown: tuple[dict, dict] | dict = self.widget._repr_mimebundle_() or {}
         bundle = dict(shown[0] if isinstance(shown, tuple) else shown)  # (data, metadata) or data
         bundle["text/html"] = snapshot_html(self.feed)
         self.handle.update(bundle, raw=True)
@@ -130,8 +131,8 @@ class StatusLine:
     displays (JupyterLab, Notebook 7, VS Code: see wants_widget), printed line by line
     elsewhere (nbconvert, a terminal), where a line cannot change."""
 
-    def __init__(self, session: ScaleSession, live: bool = True):
-        self._live = live and wants_widget(session)
+    def __init__(self, widget: bool):
+        self._live = widget
         self._handle = None
 
     def say(self, text: str) -> None:
@@ -147,11 +148,11 @@ class StatusLine:
             self._handle.update(bundle, raw=True)
 
 
-def wants_widget(session: ScaleSession) -> bool:
-    """The live widget where a frontend shows it (JupyterLab, VS Code); else text lines."""
-    if session.display != "auto":
-        return session.display == "widget"
-    shell = session.shell
+def wants_widget(setting: str, shell: Any) -> bool:
+    """The live widget where a frontend shows it (JupyterLab, VS Code); else text lines.
+    `setting`: ScaleSession.display ('widget', 'text' or 'auto')."""
+    if setting != "auto":
+        return setting == "widget"
     in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
     frontend = "JPY_SESSION_NAME" in os.environ or "VSCODE_PID" in os.environ
     return in_kernel and frontend

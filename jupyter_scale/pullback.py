@@ -21,7 +21,7 @@ from .export import human_size
 if TYPE_CHECKING:
     from .channel import CellChannel
     from .protocol import CellReply
-    from .run import RunRecord
+    from .records import RunRecord
 
 
 @dataclass

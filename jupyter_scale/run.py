@@ -4,8 +4,9 @@ answer while their output and reports stream in, and what failed and why.
 A `CellRun` is a small state machine. Each turn of its loop takes what arrived (output,
 events, answers), then decides: a rank that failed makes the others stop after
 `abort_grace`; the user's interrupt, a `--timeout` or a silent rank does too; ranks that
-do not stop within `stop_deadline` are given up. The session applies what the run ends
-with (the answers, the error, the lost workers) to the cluster and the notebook.
+do not stop within `stop_deadline` are given up. It observes and stops ranks, nothing
+more: it ends with an `Outcome` (or `RanksStuck`), and the session applies that to the
+cluster and the notebook.
 """
 
 from __future__ import annotations
@@ -15,52 +16,54 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from . import display, worker
-from .backends import Job, describe_exit
+from .backends import Backend, Job, describe_exit
 from .errors import CellTimeout, ClusterError, RankFailure, RemoteError, WorkerCallFailed, WorkerDied, WorkerLost
+from .launchers import Launcher
+from .metrics import EventQueue
 from .protocol import CellReply
-
-if TYPE_CHECKING:
-    from .session import ScaleSession
+from .records import RunRecord
 
 log = logging.getLogger(__name__)
 # Seconds between looks at a Slurm job under a running cell (one squeue call each).
 ALLOCATION_CHECK_S = 2.0
 
 
-@dataclass
-class RunRecord:
-    """What one %%distribute cell did; `Session.runs` keeps them."""
+@dataclass(frozen=True)
+class WaitLimits:
+    """The session's settings that time a cell's wait (see ScaleSession for each)."""
 
-    index: int
-    workers: int
-    execution_count: int | None = None  # the notebook's In [n] of the cell, when there is one
-    seed: int | None = None  # automatic mode's seed, drawn from the notebook's RNG
-    shipped: dict[str, int] = field(default_factory=dict)  # name -> bytes sent
-    skipped: list[str] = field(default_factory=list)  # names unchanged since last sent
-    pulled: list[str] = field(default_factory=list)
-    pulled_bytes: dict[str, int] = field(default_factory=dict)  # what came back from rank 0, per pull
-    # Rank 0 packing what comes back (hashing it to leave out what the notebook holds) and
-    # the kernel writing it into the notebook's objects; not the transport between them.
-    pullback_seconds: float = 0.0
-    metrics: list[dict] = field(default_factory=list)
-    states: list[dict] = field(default_factory=list)  # workers' state changes, in arrival order
-    lost_events: int = 0  # reported points that never reached the kernel (shown, never silent)
-    status: str = "running"  # running, finished, failed, interrupted, timed out
-    framework: str = "torch"  # whose process group the cell used (see frameworks)
-    error: str = ""
-    failed_rank: int | None = None  # the rank the error blames
-    started: float = field(default_factory=time.time)
-    elapsed: float = 0.0
+    poll_interval: float
+    abort_grace: float
+    stop_deadline: float
+    silence_limit: float
+    heartbeat_interval: float
+    hang_warning: float
 
-    @property
-    def bytes_shipped(self) -> int:
-        return sum(self.shipped.values())
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a cell's wait ended: each answered rank's header and frames, the cell's error
+    (None if every rank succeeded; else RemoteError, WorkerDied or CellTimeout) and the ranks
+    whose worker was lost."""
+
+    headers: dict[int, CellReply]
+    frames_back: dict[int, Sequence]
+    error: RemoteError | None
+    lost: list[int]
+    user_interrupted: bool
+
+
+class RanksStuck(ClusterError):
+    """Ranks that did not stop within stop_deadline of being interrupted: the next cell replaces them."""
+
+    def __init__(self, ranks: list[int], said: str):
+        super().__init__(f"ranks {ranks} {said}; the next %%distribute restarts the workers")
+        self.ranks = ranks
 
 
 class Interrupts:
@@ -98,10 +101,13 @@ def interrupts_noted() -> Iterator[Interrupts]:
 class CellRun:
     """The kernel's wait for one cell's ranks, and how it ended."""
 
-    def __init__(self, session: ScaleSession, job: Job, record: RunRecord, view: display.RunView,
-                 timeout: float | None, interrupts: Interrupts | None = None):
-        self.session, self.job, self.record, self.view, self.timeout = session, job, record, view, timeout
-        self.backend = session.backend
+    def __init__(self, job: Job, record: RunRecord, view: display.RunView, timeout: float | None,
+                 interrupts: Interrupts | None = None, *, backend: Backend, workers: Sequence[dict],
+                 placement: Launcher | None, events: EventQueue | None, limits: WaitLimits, run_id: str | None,
+                 request_abort: Callable[[], None], notify: Callable[..., None]):
+        self.job, self.record, self.view, self.timeout = job, record, view, timeout
+        self.backend, self.workers, self.placement, self.events = backend, workers, placement, events
+        self.limits, self.run_id, self.request_abort, self.notify = limits, run_id, request_abort, notify
         self.interrupts = interrupts or Interrupts()
         self.labeler = display.LineLabeler()
         self.headers: dict[int, CellReply] = {}  # each answered rank's header
@@ -123,18 +129,14 @@ class CellRun:
     def forget_answers(self) -> None:
         """Once the wait is over: drop the job and the ranks' answers (a pulled model can be
         gigabytes); the heartbeats stay, for whoever shows where the ranks were."""
-        self.job, self.headers, self.frames_back = None, {}, {}
+        self.job, self.headers, self.frames_back = None, {}, {}  # type: ignore[assignment]
 
     def running(self) -> list[int]:
         return [r for r in self.job.ranks if r not in self.headers and r not in self.lost]
 
-    def wait(self) -> tuple[dict[int, CellReply], dict[int, Sequence], RemoteError | None, list[int]]:
+    def wait(self) -> Outcome:
         """Stream output until every rank answered; stop the others after a failure.
-
-        Returns each rank's header and frames, the cell's error (None if every rank
-        succeeded; else RemoteError, WorkerDied or CellTimeout) and the ranks whose
-        worker was lost.
-        """
+        Raises RanksStuck for ranks that ignored being stopped."""
         while True:
             try:
                 if self.interrupts.count > self.interrupts.handled:
@@ -142,7 +144,7 @@ class CellRun:
                 display.emit(self.job.new_output(), self.labeler)
                 self.take_events()
                 self.view.tick()
-                self.session._notify("tick")
+                self.notify("tick")
                 self._collect_answers()
                 if len(self.headers) + len(self.lost) == len(self.job.ranks):
                     break
@@ -153,7 +155,7 @@ class CellRun:
                     self._warn_if_waiting()
                 if self._escalate(now):
                     break
-                self.job.wait_activity(self.session.poll_interval)
+                self.job.wait_activity(self.limits.poll_interval)
             except KeyboardInterrupt:  # off the main thread, where SIGINT is not noted
                 self.interrupts.count += 1
         display.emit(self.job.new_output(), self.labeler)
@@ -163,7 +165,7 @@ class CellRun:
         if self.record.lost_events:
             display.write("stderr", f"jupyter_scale: {self.record.lost_events} reported points did not reach the "
                                     "kernel\n")
-        return self.headers, self.frames_back, self._classify(), self.lost
+        return Outcome(self.headers, self.frames_back, self._classify(), self.lost, self.user_interrupted)
 
     # -- one turn's transitions ----------------------------------------------------------
     def _fail(self, failure: RankFailure, now: float | None = None) -> None:
@@ -175,7 +177,6 @@ class CellRun:
         self._fail(RankFailure(rank, "WorkerLost", str(exc), "", time.time(), lost=True, cause=exc), now)
 
     def _collect_answers(self) -> None:
-        session = self.session
         for rank in self.job.ranks:
             if rank in self.headers or rank in self.lost or not self.job.done(rank):
                 continue
@@ -184,8 +185,8 @@ class CellRun:
             except WorkerLost as exc:
                 self.lost.append(rank)
                 how = self._how_it_died(rank) if not isinstance(exc, WorkerCallFailed) else ""
-                if len({w["node"] for w in session.workers}) > 1:  # which host, where there are several
-                    how += f" (host {session.workers[rank]['hostname']})"
+                if len({w["node"] for w in self.workers}) > 1:  # which host, where there are several
+                    how += f" (host {self.workers[rank]['hostname']})"
                 self._fail(RankFailure(rank, type(exc).__name__, f"{exc}{how}", "", time.time(), lost=True,
                                        cause=exc))
                 continue
@@ -195,12 +196,14 @@ class CellRun:
 
     def _check_allocation(self, now: float) -> None:
         """A cancelled or timed-out Slurm job: its workers may take Slurm's KillWait to die."""
-        placement = self.session.placement
+        placement = self.placement
         if placement is None or now - self.allocation_checked <= ALLOCATION_CHECK_S:
             return
         self.allocation_checked = now
         ended = placement.ended()
-        for rank in self.running() if ended else []:
+        if not ended:
+            return
+        for rank in self.running():
             self._lose(rank, WorkerLost(rank, ended), now)
 
     def _check_silence(self, now: float) -> None:
@@ -211,24 +214,23 @@ class CellRun:
         says within seconds. Counted from a rank's first word: before it, the rank may still
         be receiving the cell's values.
         """
-        session = self.session
-        if not session.silence_limit:
+        if not self.limits.silence_limit:
             return
         silent = [r for r in self.running() if r in self.heard and now - self.heard[r] > self.silence_s()
                   and not self.job.done(r)]
         for rank in silent:
-            self._lose(rank, WorkerLost(rank, f"nothing heard from it (host {session.workers[rank]['hostname']}) "
+            self._lose(rank, WorkerLost(rank, f"nothing heard from it (host {self.workers[rank]['hostname']}) "
                                               f"for {self.silence_s():g} s: its host left the network, or the "
                                               "process hangs"), now)
 
     def silence_s(self) -> float:
         # Never less than two heartbeats and then some, whatever the two are set to.
-        return max(self.session.silence_limit, 2 * self.session.heartbeat_interval + 2)
+        return max(self.limits.silence_limit, 2 * self.limits.heartbeat_interval + 2)
 
     def _escalate(self, now: float) -> bool:
         """Stop the ranks still running when that is due; True when the wait gives up on them."""
-        session = self.session
-        if self.first_failure is not None and now - self.first_failure > session.abort_grace:
+        limits = self.limits
+        if self.first_failure is not None and now - self.first_failure > limits.abort_grace:
             self._stop_running("another rank failed")
         if self.timeout is not None and now - self.started > self.timeout and self.interrupted_at is None:
             self.timed_out = True
@@ -237,19 +239,17 @@ class CellRun:
             self._stop_running("timeout")
         if self.interrupted_at is None:
             return False
-        if not self.abort_requested and now - self.interrupted_at > session.abort_grace:
+        if not self.abort_requested and now - self.interrupted_at > limits.abort_grace:
             # Still running after SIGINT: ranks blocked in a collective among
             # themselves. Their watch threads cut the group when asked.
             self.abort_requested = True
-            session._request_abort()
-        if now - self.interrupted_at <= session.stop_deadline:
+            self.request_abort()
+        if now - self.interrupted_at <= limits.stop_deadline:
             return False
         stuck = self.running()
-        session._group_ready = False
-        said = f"did not stop within {session.stop_deadline:g} s of being interrupted"
+        said = f"did not stop within {limits.stop_deadline:g} s of being interrupted"
         if not self.lost:
-            session._lost_workers = stuck  # the next cell replaces them
-            raise ClusterError(f"ranks {stuck} {said}; the next %%distribute restarts the workers")
+            raise RanksStuck(stuck, said)
         # Stuck with the lost workers (e.g. in a collective with a host that left
         # the network): the lost ones are the cause; the next cell replaces both.
         for rank in stuck:
@@ -262,7 +262,7 @@ class CellRun:
         if not running or self.interrupted_at is not None:
             return
         log.info("interrupting ranks %s: %s", running, reason)
-        self.backend.interrupt(running, self.session._run_id())
+        self.backend.interrupt(running, self.run_id)
         # A rank blocked inside a collective does not see SIGINT until it returns: ranks
         # that already finished cut their connections, which makes that collective fail.
         finished = [r for r in self.headers if r not in self.lost]
@@ -298,13 +298,12 @@ class CellRun:
                     f.interrupted = True
         if not self.failures:
             return None
-        if self.timed_out:
+        if self.timed_out and self.timeout is not None:  # timed out: there was a timeout
             return CellTimeout(self.failures, timeout=self.timeout,
                                finished=[r for r, h in self.headers.items() if h["status"] == "ok"])
         if self.lost:
             error = WorkerDied(self.failures)
-            placement = self.session.placement
-            if placement is not None and placement.name == "slurm":
+            if self.placement is not None and self.placement.name == "slurm":
                 error.hint = ("The workers' Slurm job is gone: the next %%distribute submits a new one (worker "
                               "variables are lost; notebook variables are intact), or run %scale restart.")
             return error
@@ -312,12 +311,12 @@ class CellRun:
 
     # -- what the ranks say ----------------------------------------------------------------
     def take_events(self) -> None:
-        events = self.session.events
+        events = self.events
         heard = time.monotonic()
         for event in events.drain() if events is not None else ():
             kind = event.get("kind")
             self.heard[event["rank"]] = heard
-            self.session._notify("event", event)
+            self.notify("event", event)
             if kind == "heartbeat":
                 self.beats[event["rank"]] = event
                 continue
@@ -329,7 +328,7 @@ class CellRun:
 
     def collect_last_events(self) -> None:
         """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
-        events = self.session.events
+        events = self.events
         expected = {r: h.get("events_sent", 0) for r, h in self.headers.items()}
         if events is not None:
             events.wait_for(expected, timeout=2.0)
@@ -343,9 +342,8 @@ class CellRun:
         The engine may notice the lost worker before the process's status is read, so
         this waits a little for it.
         """
-        session = self.session
-        pid = session.workers[rank].get("pid") if rank < len(session.workers) else None
-        ended = session.placement.ended() if session.placement is not None else None
+        pid = self.workers[rank].get("pid") if rank < len(self.workers) else None
+        ended = self.placement.ended() if self.placement is not None else None
         if ended:
             return f" ({ended})"
         if pid is None or not self.backend.owns_cluster or not self.backend.knows_exit_codes:
@@ -358,17 +356,17 @@ class CellRun:
 
     def _warn_if_waiting(self) -> None:
         """Name the ranks others wait for, every hang_warning s while they do."""
-        session = self.session
-        if not session.hang_warning or time.monotonic() - self.warned_at < session.hang_warning:
+        limits = self.limits
+        if not limits.hang_warning or time.monotonic() - self.warned_at < limits.hang_warning:
             return
         now = time.time()
         beats = {r: self.beats.get(r) for r in self.running()}
         waiting = {r: b for r, b in beats.items() if b and b.get("collective")
-                   and now - b["since"] >= session.hang_warning}
+                   and now - b["since"] >= limits.hang_warning}
         if not waiting:
             return
         absent = [r for r, b in beats.items() if not (b and b.get("collective"))]
-        silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * session.heartbeat_interval + 2]
+        silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * limits.heartbeat_interval + 2]
         if not absent and not silent:
             return  # everyone is in a collective: slow, not stuck on one rank
         longest = max(now - b["since"] for b in waiting.values())
@@ -379,3 +377,26 @@ class CellRun:
             line += f" (no heartbeat from rank(s) {sorted(silent)}: hung or overloaded)"
         display.write("stderr", line + ". Interrupt the kernel to stop every rank, or use --timeout.\n")
         self.warned_at = time.monotonic()
+
+
+def stop_ranks(job: Job, backend: Backend, lost: list[int], limits: WaitLimits, run_id: str | None,
+               request_abort: Callable[[], None]) -> list[int]:
+    """Stop the ranks of a cell whose wait ended early (interrupt, then the group's abort
+    after `abort_grace`); returns those that did not stop within `stop_deadline`, with the
+    ranks already `lost` among the job's."""
+    try:
+        running = [r for r in job.ranks if not job.done(r) and r not in lost]
+        if running:
+            backend.interrupt(running, run_id)
+            started = time.monotonic()
+            aborted = False
+            while running and time.monotonic() - started < limits.stop_deadline:
+                if not aborted and time.monotonic() - started > limits.abort_grace:
+                    request_abort()  # ranks blocked in a collective among themselves
+                    aborted = True
+                job.wait_activity(limits.poll_interval)
+                running = [r for r in running if not job.done(r)]
+        return sorted({*running, *(r for r in job.ranks if r in lost)})
+    except Exception:  # the engine itself failed: nothing can be known of the ranks
+        log.debug("stopping an abandoned cell failed", exc_info=True)
+        return list(job.ranks)

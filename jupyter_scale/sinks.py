@@ -26,6 +26,8 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
+from .errors import DistributeError
+
 log = logging.getLogger(__name__)
 
 TARGETS = ("tensorboard", "mlflow")
@@ -61,6 +63,21 @@ def run_name(notebook: str, cell: int | None, index: int, started: float) -> str
     """`<notebook>-cell<In [n]>-<when>`: what a team finds the run by."""
     which = f"cell{cell}" if cell is not None else f"run{index}"
     return f"{notebook}-{which}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}"
+
+
+def for_run(targets: list[str], mode: str, *, notebook: str, cell: int | None, index: int, started: float,
+            engine: str, code: str) -> RunSinks | None:
+    """The sinks of one run (None without targets), opened before any worker runs it: a
+    target that cannot work fails the cell first, with DistributeError."""
+    if not targets:
+        return None
+    details = {"notebook": notebook, "engine": engine, "cell": str(cell) if cell is not None else "", "code": code}
+    try:
+        return RunSinks(targets, mode, run_name(notebook, cell, index, started), details)
+    except SinkError as exc:
+        raise DistributeError(str(exc)) from None
+    except Exception as exc:  # the tracking store itself: a bad URI, a server that does not answer
+        raise DistributeError(f"--log-to: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
 
 
 class RunSinks:
@@ -263,9 +280,14 @@ class _MLflow:
         if not final and time.monotonic() - self._flushed_at < MLFLOW_FLUSH_S:
             return
         self._flushed_at = time.monotonic()
+
+        def log_batch(metrics: list[Any]) -> None:
+            # start's create_run ran before on the writing thread (a failed one stops every later write).
+            assert self.run_id is not None
+            self.client.log_batch(self.run_id, metrics=metrics)
         while self._pending:
             batch, self._pending = self._pending[:MLFLOW_BATCH], self._pending[MLFLOW_BATCH:]
-            self._in_order(lambda metrics: self.client.log_batch(self.run_id, metrics=metrics), batch)
+            self._in_order(log_batch, batch)
 
     def finish(self, status: str) -> None:
         self.flush(True)

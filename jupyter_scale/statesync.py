@@ -31,6 +31,7 @@ travels with it).
 from __future__ import annotations
 
 import io
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -289,12 +290,13 @@ def sampled_digest(array: np.ndarray) -> str:
     """A digest of a sample of a flat uint8 array's bytes (1/64 of them past 256 KiB): ranks
     that drift apart (another learning rate, a step skipped, a checkpoint loaded on one) do so
     in nearly every weight, and every rank hashes its whole model at the end of every cell."""
+    # `.data`: an array's buffer, not copied (numpy types ndarray as a buffer only from Python 3.12).
     if array.nbytes <= SAMPLE_EVERY:
-        return xxhash.xxh3_128(memoryview(array)).hexdigest()
+        return xxhash.xxh3_128(array.data).hexdigest()
     count = (array.nbytes - SAMPLE_BLOCK) // SAMPLE_EVERY + 1
     blocks = np.lib.stride_tricks.as_strided(array, shape=(count, SAMPLE_BLOCK), strides=(SAMPLE_EVERY, 1))
-    h = xxhash.xxh3_128(np.ascontiguousarray(blocks))
-    h.update(memoryview(array[-SAMPLE_BLOCK:]))
+    h = xxhash.xxh3_128(np.ascontiguousarray(blocks).data)
+    h.update(array[-SAMPLE_BLOCK:].data)
     return h.hexdigest()
 
 
@@ -319,6 +321,19 @@ def replica_digests(namespace: dict, names: Iterable[str]) -> dict[str, dict]:
     return found
 
 
+def say_disagreements(headers: dict[int, Any]) -> None:
+    """Automatic mode keeps every rank's models and optimizers alike; where a cell made
+    them differ (a decision taken on each rank's own shard of a metric), say so: the
+    notebook gets rank 0's. `headers`: each rank's answer to the cell."""
+    replicas = {r: h["replicas"] for r, h in headers.items() if h.get("replicas") is not None}
+    said = disagreements(replicas) if len(replicas) == len(headers) else []
+    if said:
+        print(f"jupyter_scale: the ranks disagree after this cell: {'; '.join(said)}. The notebook holds rank "
+              "0's. A decision taken on each rank's own data (a scheduler stepped on a validation loss) "
+              "needs the value reduced across ranks first: dist.all_reduce(loss); loss /= world_size "
+              "(README: Per-rank decisions)", file=sys.stderr, flush=True)
+
+
 def disagreements(replicas: dict[int, dict[str, dict]]) -> list[str]:
     """What differs across the ranks' `replica_digests` (rank -> theirs), said per name."""
     ranks = sorted(replicas)
@@ -326,8 +341,8 @@ def disagreements(replicas: dict[int, dict[str, dict]]) -> list[str]:
         return []
     said = []
     for name in sorted(set().union(*(replicas[r] for r in ranks))):
-        seen = {r: replicas[r].get(name) for r in ranks}
-        if any(v is None for v in seen.values()):
+        seen = {r: v for r in ranks if (v := replicas[r].get(name)) is not None}
+        if len(seen) < len(ranks):
             continue  # not on every rank: nothing to compare
         first = seen[ranks[0]]
         if "weights" in first:

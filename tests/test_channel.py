@@ -103,9 +103,9 @@ def test_cells_go_over_the_channel_and_give_what_the_engine_gives(kernel):
 def test_a_worker_that_does_not_answer_on_the_channel_leaves_cells_to_the_engine(kernel):
     k = kernel
     _running(k)
-    k.ok("import jupyter_scale.session as session_module\n"
+    k.ok("import jupyter_scale.group as group_module\n"
          "session = jupyter_scale.get_session()\n"
-         "hello_s, session_module.CHANNEL_HELLO_S = session_module.CHANNEL_HELLO_S, 0.5\n"
+         "hello_s, group_module.CHANNEL_HELLO_S = group_module.CHANNEL_HELLO_S, 0.5\n"
          "# a server that never opens its end (a worker of another user cannot enter the directory)\n"
          "session.backend.channel_server = lambda: (lambda directory, identity, rank: 0)")
     try:
@@ -114,7 +114,7 @@ def test_a_worker_that_does_not_answer_on_the_channel_leaves_cells_to_the_engine
         out = k.ok("%%distribute\nprint('through the engine', rank)")
         assert "[rank 1] through the engine 1" in out.stdout
     finally:
-        k.ok("session_module.CHANNEL_HELLO_S = hello_s\ndel session.backend.channel_server\n%scale restart")
+        k.ok("group_module.CHANNEL_HELLO_S = hello_s\ndel session.backend.channel_server\n%scale restart")
     assert k.value("session._channel is not None")
 
 
@@ -162,7 +162,7 @@ def test_workers_never_connect_again_to_a_closed_channels_path(kernel):
 import os, shutil, time, zmq
 session = jupyter_scale.get_session()
 old = session._channel.directory
-session._close_channel()
+session._channel.close()
 os.mkdir(old, 0o700)  # as someone else would, once it is gone
 socket = zmq.Context.instance().socket(zmq.ROUTER)
 monitor = socket.get_monitor_socket(zmq.EVENT_ACCEPTED)

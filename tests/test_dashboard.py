@@ -4,7 +4,7 @@ import time
 from pathlib import Path
 
 from jupyter_scale.display import RunView
-from jupyter_scale.run import RunRecord
+from jupyter_scale.records import RunRecord
 from jupyter_scale.widgets import PALETTE, Dashboard, DashboardFeed, snapshot_html
 
 
@@ -68,16 +68,9 @@ def test_long_runs_are_downsampled_for_the_chart_only():
     assert len(feed.curves["loss"][0]) == 10_000
 
 
-class _Session:
-    progress_interval = 2.0
-    display = "widget"
-    shell = None
-
-
 def test_updates_are_capped_at_ten_a_second_whatever_the_report_rate(monkeypatch):
-    monkeypatch.setattr("jupyter_scale.display.wants_widget", lambda session: True)
     monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
-    view = RunView(_Session(), RunRecord(index=1, workers=2), total_steps=None)
+    view = RunView(True, 2.0, RunRecord(index=1, workers=2), total_steps=None)
     pushes = []
     original = view.feed.push
     view.feed.push = lambda widget: (pushes.append(time.monotonic()), original(widget))

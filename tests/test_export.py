@@ -401,7 +401,7 @@ def _free_port():
 
 def test_which_values_an_export_after_a_run_saves():
     from jupyter_scale import cellstart
-    from jupyter_scale.run import RunRecord
+    from jupyter_scale.records import RunRecord
 
     model, data, trained = torch.nn.Linear(2, 2), torch.zeros(3), torch.nn.Linear(2, 2)
     now = {"model": trained, "data": data, "x": torch.ones(1)}  # x: bound by the run (it was not there before)

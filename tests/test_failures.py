@@ -27,7 +27,7 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
     try:
         k.ok(SETUP)
         k.ok("%%distribute --workers 2\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2")
-        store = k.value("jupyter_scale.get_session().group['store']['file']")
+        store = k.value("jupyter_scale.get_session().group.store['file']")
         scratch = k.value("jupyter_scale.get_session().backend.describe().get('temp_dir')")  # Ray's
         started = psutil.Process(k.pid).children(recursive=True)
         ports = _listening_ports(started)

@@ -17,6 +17,8 @@ from stranger import require_stranger, run_as_stranger
 from conftest import ENGINES, SETUP, _stop_and_check
 from kernel import Kernel
 
+pytestmark = pytest.mark.cluster
+
 CHECK_CELL = """%%distribute --workers 2
 t = torch.ones(1)
 for i in range(50):
@@ -216,7 +218,7 @@ def test_a_stranger_at_every_listening_port_changes_nothing(engine_kernel):
     pids = [k.pid, *(p.pid for p in psutil.Process(k.pid).children(recursive=True))]
     ports = _listening_ports(pids)
     assert ports and all(ip.removeprefix("::ffff:") == "127.0.0.1" for ip, _ in ports), ports
-    store = k.value("jupyter_scale.get_session().group['store']")
+    store = k.value("jupyter_scale.get_session().group.store")
     result = run_as_stranger(f"""
         import os
         import torch.distributed as dist
