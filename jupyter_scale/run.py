@@ -327,11 +327,19 @@ class CellRun:
             self.view.add(event)
 
     def collect_last_events(self) -> None:
-        """Wait (briefly) until every event each rank says it sent has arrived; count the rest."""
+        """Wait until every event each rank says it sent has arrived, as long as a rank may go
+        silent (silence_s); count the rest.
+
+        The answers and the events travel apart (the direct channel's two sockets, an
+        engine's two streams), so the last events can come after the last answer. The wait
+        keeps reading what carries them: the direct channel is read only in this thread.
+        """
         events = self.events
         expected = {r: h.get("events_sent", 0) for r, h in self.headers.items()}
         if events is not None:
-            events.wait_for(expected, timeout=2.0)
+            deadline = time.monotonic() + self.silence_s()
+            while not events.wait_for(expected, self.limits.poll_interval) and time.monotonic() < deadline:
+                self.job.wait_activity(0)
         self.take_events()
         missing = sum(max(0, n - events.received[r]) for r, n in expected.items()) if events else 0
         self.record.lost_events = missing + sum(h.get("events_dropped", 0) for h in self.headers.values())
