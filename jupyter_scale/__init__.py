@@ -2,8 +2,8 @@
 
     %load_ext jupyter_scale
 
-registers `%%distribute` and `%scale` and starts nothing. `wrap`, `shard` and `report`
-work inside `%%distribute` cells and, as no-ops or local recording, outside them.
+registers `%%distribute` and `%scale` and starts nothing. `wrap`, `shard`, `prepare` and
+`report` work inside `%%distribute` cells and, as no-ops or local recording, outside them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .errors import (
 )
 from .libraries import rebuild_on_workers
 from .metrics import report
-from .training import shard, shard_model, wrap
+from .training import prepare, shard, shard_model, wrap
 
 _session = None
 
@@ -79,12 +79,20 @@ def load_ipython_extension(ip) -> None:
 
 
 def unload_ipython_extension(ip) -> None:
-    if _session is not None:
-        _session.stop()
+    from . import patches
+    from .libraries import unwatch
+
+    try:
+        if _session is not None:
+            _session.stop()
+    finally:
+        unwatch()
+        patches.remove_all()  # nothing of ours stays patched in the kernel
 
 
 __all__ = [
-    "__version__", "get_session", "history", "report", "shard", "shard_model", "sync_batchnorm", "wrap", "save_checkpoint",
+    "__version__", "get_session", "history", "report", "prepare", "shard", "shard_model", "sync_batchnorm", "wrap",
+    "save_checkpoint",
     "load_checkpoint", "rebuild_on_workers",
     "DistributeError", "ClusterError", "RemoteError", "ShippingError", "WorkerDied", "CellTimeout",
     "WorkerLost", "WorkerCallFailed",

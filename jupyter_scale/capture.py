@@ -21,7 +21,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from .backends.base import Output
+from . import patches
+from .protocol import Output
 
 # Seconds between batches while a call prints.
 OUTPUT_INTERVAL_S = 0.05
@@ -219,6 +220,11 @@ class _FdSync:
 
 
 _plain: dict[str, _Forward] = {}  # a plain worker's (Dask's, Ray's), redirected to per call
+_WHY_STREAMS = "an ipyparallel engine's output during a call over the kernel's channel goes to that call"
+_STREAMS = {(name, method): patches.Patch(f"sys.{name}.{method}", _WHY_STREAMS, patches.CAPTURE)
+            for name in ("stdout", "stderr") for method in ("write", "flush")}
+_PUBLISH = patches.Patch("IPython.core.displaypub.DisplayPublisher.publish (the engine's)",
+                         "display() during such a call goes to that call", patches.CAPTURE)
 _kernel_sync: _FdSync | None = None  # an IPython kernel's (ipyparallel's), diverted once
 
 
@@ -248,7 +254,7 @@ def _divert_kernel_streams() -> _FdSync | None:
     global _kernel_sync
     from IPython.core.interactiveshell import InteractiveShell
 
-    if _kernel_sync is not None:
+    if _kernel_sync is not None and any(p.is_installed for p in _STREAMS.values()):
         return _kernel_sync
     streams: list[Any] = [s for s in (sys.stdout, sys.stderr) if type(s).__module__ == "ipykernel.iostream"]
     if not streams:
@@ -258,21 +264,26 @@ def _divert_kernel_streams() -> _FdSync | None:
         watching = getattr(stream, "_should_watch", False) and getattr(stream, "watch_fd_thread", None) is not None
         forward = _Forward(stream.name, stream.write, stream.flush, fd=stream._original_stdstream_fd if watching
                            else None, watcher=stream.watch_fd_thread if watching else None)
-        stream.write, stream.flush = forward.write, forward.flush  # over the class's methods
+        for method in ("write", "flush"):  # over the class's methods, on this object only
+            _STREAMS[stream.name, method].install(_returning(getattr(forward, method)), owner=stream)
         if watching:
             watched.append(forward)
     if InteractiveShell.initialized():
-        publisher = InteractiveShell.instance().display_pub
-        publish = publisher.publish
+        def patch_publish(publish):
+            def to_pump(data, metadata=None, *args, **kwargs):
+                if _current is None:
+                    return publish(data, metadata, *args, **kwargs)
+                _current.add_display(data, metadata)
 
-        def to_pump(data, metadata=None, *args, **kwargs):
-            if _current is None:
-                return publish(data, metadata, *args, **kwargs)
-            _current.add_display(data, metadata)
+            return to_pump
 
-        publisher.publish = to_pump
+        _PUBLISH.install(patch_publish, owner=InteractiveShell.instance().display_pub)
     _kernel_sync = _FdSync(watched)
     return _kernel_sync
+
+
+def _returning(value: Any) -> Callable[[Any], Any]:
+    return lambda _original: value
 
 
 def display_shell() -> None:

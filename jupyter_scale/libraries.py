@@ -38,7 +38,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
+
+from . import patches
 
 Arguments = Callable[[Any], tuple[tuple, dict]]
 
@@ -80,7 +82,7 @@ def rebuild_on_workers(class_path: str, arguments: str | Arguments | None = None
 def reduce(obj: Any) -> tuple | None:
     """A shipping pickler's reduction of `obj`: rebuilt on arrival, or None (pickled as usual)."""
     kind = type(obj)
-    found = _how.get(kind, False)
+    found: tuple[type, str | Arguments | None] | None | Literal[False] = _how.get(kind, False)
     if found is False:
         found = _how[kind] = _registered_base(kind)
     if found is None:
@@ -120,6 +122,12 @@ def _registered_base(kind: type) -> tuple[type, str | Arguments | None] | None:
 # --------------------------------------------------------------------------------------
 
 
+_IMPORTS = patches.Patch("sys.meta_path", "a registered class is patched as soon as its module is imported",
+                         patches.LIBRARIES)
+# Per class patched: its __new__ and __init__ (weak: a class that goes takes its record along).
+_patched: weakref.WeakKeyDictionary[type, tuple[patches.Patch, patches.Patch]] = weakref.WeakKeyDictionary()
+
+
 def watch() -> None:
     """Record the constructions of registered classes in this process from now on: those
     imported already now, the others when their module is imported. Idempotent."""
@@ -128,8 +136,27 @@ def watch() -> None:
         if _watching:
             return
         _watching = True
-        sys.meta_path.insert(0, _ImportWatch())
+        _IMPORTS.hook(_add_import_watch)
     _patch_loaded()
+
+
+def unwatch() -> None:
+    """Stop recording (the extension unloaded): every class patched by `watch` as it was."""
+    global _watching
+    with _lock:
+        _watching = False
+        patches.remove_all(patches.LIBRARIES)
+
+
+def _add_import_watch() -> Callable[[], None]:
+    finder = _ImportWatch()
+    sys.meta_path.insert(0, finder)
+
+    def remove() -> None:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+    return remove
 
 
 def _patch_loaded() -> None:
@@ -142,11 +169,18 @@ def _patch_loaded() -> None:
 
 
 def _record_constructions(cls: type) -> None:
-    if cls.__dict__.get("_jupyter_scale_recorded"):
-        return
-    original_new = cls.__new__
-    original_init = cls.__init__
+    if cls not in _patched:
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        _patched[cls] = (
+            patches.Patch(f"{path}.__new__", "records what each object is built from, to build it again on the "
+                          "workers", patches.LIBRARIES),
+            patches.Patch(f"{path}.__init__", "notes that the object was built (a copy was not)", patches.LIBRARIES))
+    new, init = _patched[cls]
+    new.install(_recording_new, owner=cls)
+    init.install(_noting_init, owner=cls)
 
+
+def _recording_new(original_new: Callable) -> staticmethod:
     def __new__(kind, *args, **kwargs):
         obj = original_new(kind) if original_new is object.__new__ else original_new(kind, *args, **kwargs)
         try:
@@ -157,16 +191,17 @@ def _record_constructions(cls: type) -> None:
         _records[key] = [ref, args, kwargs, False]
         return obj
 
+    return staticmethod(__new__)
+
+
+def _noting_init(original_init: Callable) -> Callable:
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         record = _records.get(id(self))
         if record is not None and record[0]() is self:
             record[3] = True  # built (a copy's __new__ is never followed by __init__)
 
-    functools.update_wrapper(__init__, original_init)  # inspect.signature shows the library's own
-    cls.__new__ = staticmethod(__new__)
-    cls.__init__ = __init__
-    cls._jupyter_scale_recorded = True
+    return functools.update_wrapper(__init__, original_init)  # inspect.signature shows the library's own
 
 
 def _forget(key: int, ref: weakref.ref) -> None:

@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import frameworks, jobfiles, launchers, training
+from . import frameworks, jobfiles, launchers, patches, training, worker
 from .backends import available_backends, find_connection
 from .session import ScaleSession
 
@@ -294,8 +294,9 @@ class ScaleMagics(Magics):
             print(f"  run it here: bash {done['directory']}/run.sh")
 
     @magic_arguments()
-    @argument("action", nargs="?", default="status", choices=["status", "start", "stop", "restart", "connect", "export"],
-              help="what to do (default: status)")
+    @argument("action", nargs="?", default="status",
+              choices=["status", "start", "stop", "restart", "connect", "export", "patches"],
+              help="what to do (default: status; patches: what jupyter_scale patched in the kernel and on rank 0)")
     @argument("address", nargs="?", default=None,
               help="for connect: the cluster's address, whose form says the engine: a Dask scheduler "
                    "(tcp://10.0.0.5:8786) or an ipyparallel ipcontroller-client.json file (else say --backend)")
@@ -336,6 +337,7 @@ class ScaleMagics(Magics):
             %scale export job                           # the last %%distribute cell as a job directory
             %scale export job --cell 7 --to torchrun,slurm --nodes 2 --no-values
             %scale export job --from now                # the values as they are, not as the cell started
+            %scale patches              # what is patched in torch and other libraries, kernel and rank 0
         """
         if line.split()[:1] == ["export"]:  # its own arguments
             return self._export(line.split(None, 1)[1] if len(line.split()) > 1 else "")
@@ -385,7 +387,7 @@ class ScaleMagics(Magics):
             session.start(args.workers, launcher, **options)
         elif args.action == "stop":
             was, connected = session.size, session.connection is not None and session.running
-            ours = connected and session.backend.creates_workers
+            ours = connected and session.backend is not None and session.backend.creates_workers  # (running: it is)
             session.stop()
             if ours:
                 print(f"jupyter_scale: disconnected; the {was} workers made on connect ended, the cluster keeps running")
@@ -395,8 +397,23 @@ class ScaleMagics(Magics):
                 print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")
         elif args.action == "restart":
             session.restart(args.workers, launcher, **options)
+        elif args.action == "patches":
+            print(format_patches(patches.installed(), _rank0_patches(session) if session.running else None))
         else:
-            print(format_status(session.status()))
+            count = len(patches.installed())
+            print(format_status(session.status()) + f"\n  patches: {count} in the kernel (%scale patches)")
+
+
+def _rank0_patches(session) -> list[patches.Record]:
+    """What is patched on rank 0's worker."""
+    return session.call(worker.installed_patches, ranks=[0])[0][0]["patches"]
+
+
+def format_patches(kernel: list[patches.Record], rank0: list[patches.Record] | None) -> str:
+    text = f"jupyter_scale: {len(kernel)} patches in the kernel\n{patches.describe(kernel)}"
+    if rank0 is not None:
+        text += f"\n{len(rank0)} on rank 0\n{patches.describe(rank0)}"
+    return text
 
 
 def format_status(info: dict) -> str:
@@ -404,7 +421,8 @@ def format_status(info: dict) -> str:
         text = f"jupyter_scale: no cluster running (backend {info['backend']})"
     else:
         group = info.get("group", {})
-        kind = "connected" if info.get("connected") else {"slurm": "Slurm", "mpi": "MPI"}.get(info.get("launcher"), "local")
+        launcher = {"slurm": "Slurm", "mpi": "MPI"}.get(info.get("launcher", ""), "local")
+        kind = "connected" if info.get("connected") else launcher
         text = (f"jupyter_scale: {kind} {info['backend']} cluster, {info['workers']} workers; process group "
                 f"{group.get('backend', '?')} at {group.get('master_addr', '?')}:{group.get('master_port', '?')}"
                 f"{'' if group.get('ready') else ' (re-forms at the next cell)'}")

@@ -16,7 +16,6 @@ DataLoaders sharded, gradients averaged at each optimizer step) unless `automati
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -152,22 +151,6 @@ def start(seed: int = 0, automatic: bool = True, output: str | os.PathLike | Non
     return Job(seed, automatic, Path(output), directory)
 
 
-def _init_process_group_once() -> None:
-    """A cell written for torchrun calls init_process_group itself: the group is up already,
-    as in a %%distribute cell, so that call does nothing."""
-    original = dist.init_process_group
-    if getattr(original, "_jupyter_scale", False):
-        return
-
-    @functools.wraps(original)
-    def init_process_group(*args, **kwargs):
-        if dist.is_initialized():
-            return None
-        return original(*args, **kwargs)
-
-    init_process_group._jupyter_scale = True  # type: ignore[attr-defined]
-    dist.init_process_group = init_process_group
-    dist.distributed_c10d.init_process_group = init_process_group
-
-
-_init_process_group_once()  # before the script imports init_process_group by name
+# A cell written for torchrun calls init_process_group itself: the group is up already, as
+# in a %%distribute cell, so that call does nothing. Before the script imports it by name.
+training.keep_process_group()

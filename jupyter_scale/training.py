@@ -10,8 +10,9 @@ import functools
 import sys
 import warnings
 import weakref
+from collections.abc import Callable, Sized
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torch.utils.data import (
     Subset,
 )
 
-from . import rendezvous
+from . import patches, rendezvous
 from .notes import ITERABLE, NOTHING_DISTRIBUTED, OWN_SAMPLER, SAME_BATCHES, SameGradients, sampler_chain, splits
 from .overlap import Overlap, buckets, divide_into
 
@@ -63,7 +64,7 @@ def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
         ddp_options.setdefault("output_device", device.index)
     wrapped = DistributedDataParallel(model, **ddp_options)
     # Remembered so the worker can wrap the model again if the process group is re-formed.
-    wrapped._jupyter_scale_options = options
+    wrapped._jupyter_scale_options = options  # type: ignore[assignment]  # torch types Module attributes as tensors or modules
     _register_ddp(wrapped)
     return wrapped
 
@@ -88,7 +89,7 @@ class EpochAwareSampler(DistributedSampler):
         every rank, so the wrapper sees one order everywhere, as it expects; no padding.
         """
         self.num_replicas, self.rank = 1, 0
-        self.num_samples = self.total_size = len(self.dataset)
+        self.num_samples = self.total_size = len(cast(Sized, self.dataset))  # DistributedSampler needs a sized one
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -142,9 +143,9 @@ def shard(data: Any, *, shuffle: bool | None = None, seed: int = 0, drop_last: b
         raise TypeError("shard() cannot split an IterableDataset: split its source by "
                         "jupyter_scale's `rank` and `world_size` inside the dataset instead")
     if isinstance(data, Dataset) or hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        indices = list(DistributedSampler(data, shuffle=False, drop_last=drop_last))
+        indices: list[int] = list(DistributedSampler(data, shuffle=False, drop_last=drop_last))
         part = Subset(data, indices)
-        part._jupyter_scale_shard = True  # automatic mode must not shard it again
+        part._jupyter_scale_shard = True  # type: ignore[attr-defined]  # automatic mode must not shard it again
         return part
     raise TypeError(f"shard() takes a DataLoader or a Dataset, not {type(data).__name__}")
 
@@ -162,6 +163,22 @@ def _shard_loader(loader: DataLoader, *, shuffle: bool | None, seed: int, drop_l
         shuffle = isinstance(loader.sampler, RandomSampler)
     sampler = EpochAwareSampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(loader.dataset, sampler=sampler, **_loader_options(loader))
+
+
+def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+            loader: DataLoader | None = None, *, seed: int = 0,
+            **ddp_options: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None, DataLoader | None]:
+    """Distribute a training loop explicitly, without automatic mode's patches (for
+    `%%distribute --manual`), as Lightning Fabric's `setup` or accelerate's `prepare` do:
+
+        model, opt, loader = jupyter_scale.prepare(model, opt, loader)
+
+    returns the model in DistributedDataParallel on this rank's device (`wrap`), the
+    optimizer as it is (it steps the same parameters, which DDP averages in backward), and
+    the loader over this rank's shard (`shard`: an epoch-aware DistributedSampler seeded
+    with `seed`). Outside a distributed cell everything comes back unchanged.
+    """
+    return wrap(model, **ddp_options), optimizer, shard(loader, seed=seed) if loader is not None else None
 
 
 # --------------------------------------------------------------------------------------
@@ -288,7 +305,7 @@ def _fsdp_options(mixed_precision, offload: bool) -> dict:
     """fully_shard's keyword arguments for the given precision and offload choices."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    options = {}
+    options: dict[str, Any] = {}
     if isinstance(mixed_precision, MixedPrecisionPolicy):
         options["mp_policy"] = mixed_precision
     elif mixed_precision is not None:
@@ -552,9 +569,10 @@ def _sharded_like(value, param: torch.Tensor):
     every rank holds the same whole one)."""
     if (isinstance(value, torch.Tensor) and not is_sharded(value) and value.dim() > 0
             and tuple(value.shape) == tuple(param.shape)):
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        sharded = cast(DTensor, param)  # a parameter of a model fully_shard sharded
+        return distribute_tensor(value.to(param.device), sharded.device_mesh, sharded.placements, src_data_rank=None)
     return value
 
 
@@ -589,7 +607,7 @@ def whole_tensors(module: torch.nn.Module, keys: list[str]) -> dict[str, torch.T
     return found
 
 
-def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[int, ...] = ()) -> list[float] | None:
+def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[float, ...] = ()) -> list[float] | None:
     """Average the gradients of `params` across ranks, in buckets; returns the sums of
     `extra` (small counts every rank adds, riding in the first bucket), or None when there
     was nothing to average.
@@ -615,7 +633,8 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[
     counts: list[float] = []
     sums: list[float] = []
     for index, bucket in enumerate(buckets(params, BUCKET_BYTES)):
-        grads = [p.grad for p in bucket]
+        grads = [p.grad for p in bucket if p.grad is not None]
+        assert len(grads) == len(bucket)  # every one has a gradient by now (zeros where it had none)
         parts = [g.reshape(-1) for g in grads]
         if index == 0:  # counts up to the world size are exact in any float dtype used for training
             parts.append(torch.tensor([*had, *extra], dtype=grads[0].dtype, device=grads[0].device))
@@ -673,96 +692,147 @@ def _injected(sampler) -> bool:
     return isinstance(sampler, EpochAwareSampler) and sampler.automatic
 
 
+_LOADER_INIT = patches.Patch("torch.utils.data.DataLoader.__init__", "a loader built in an automatic cell iterates its "
+                             "rank's shard; one wrapping ours is not split twice", patches.AUTOMATIC)
+_LOADER_ITER = patches.Patch("torch.utils.data.DataLoader.__iter__", "notes which loaders an automatic cell iterates "
+                             "(the warnings when nothing split the data)", patches.AUTOMATIC)
+_BACKWARD = patches.Patch("torch.autograd.backward", "counts backward passes; averaging during backward (opt-in)",
+                          patches.AUTOMATIC)
+_DDP_INIT = patches.Patch("torch.nn.parallel.DistributedDataParallel.__init__", "a DDP model's gradients are left to "
+                          "DDP, not averaged twice", patches.AUTOMATIC)
+_OPTIMIZER_INIT = patches.Patch("torch.optim.Optimizer.__init__", "--shard: an optimizer built in the cell shards the "
+                                "models it trains first", patches.AUTOMATIC)
+_OPTIMIZER_STEP = patches.Patch("torch.optim.Optimizer.step", "averages the gradients across ranks before each step "
+                                "(a global step pre-hook)", patches.AUTOMATIC)
+_CLIPS = [patches.Patch(f"torch.nn.utils.{name}", "clipping sees the averaged gradients, as under DDP", patches.AUTOMATIC,
+                        also=(f"torch.nn.utils.clip_grad.{name}",)) for name in ("clip_grad_norm_", "clip_grad_value_")]
+
+
 def _install_patches() -> None:
     """Install the automatic-mode hooks once per worker process; they act only in a cell.
 
-    Installed once and never removed, they dispatch on `_active`: leaving a cell (even
-    through an interrupt landing at the worst moment) is one assignment, so no patch can
-    be left half-installed or saved as someone else's "original".
+    Kept between cells (removed with the worker, or by patches.remove_all), they dispatch on
+    `_active`: leaving a cell (even through an interrupt landing at the worst moment) is one
+    assignment, so no patch can be left half-installed or saved as someone else's "original".
     """
-    if getattr(DataLoader.__init__, "_jupyter_scale", False):
-        return
     import inspect
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    original_loader_init = DataLoader.__init__
-    signature = inspect.signature(original_loader_init)
+    def patch_loader_init(original_loader_init):
+        signature = inspect.signature(original_loader_init)
 
-    def loader_init(loader, *args, **kwargs):
-        mode = _active
-        if mode is not None:
-            bound = signature.bind(loader, *args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            sampler = mode._sampler_for(a["dataset"], a["sampler"], a["batch_sampler"], a["shuffle"])
-            if sampler is not None:
-                a["sampler"], a["shuffle"] = sampler, None
-            args, kwargs = bound.args[1:], bound.kwargs
-        original_loader_init(loader, *args, **kwargs)
-        # Also outside automatic cells: a sampler we put in earlier must not split a second time.
-        _leave_split_to_wrapper(loader)
+        def loader_init(loader, *args, **kwargs):
+            mode = _active
+            if mode is not None:
+                bound = signature.bind(loader, *args, **kwargs)
+                bound.apply_defaults()
+                a = bound.arguments
+                sampler = mode._sampler_for(a["dataset"], a["sampler"], a["batch_sampler"], a["shuffle"])
+                if sampler is not None:
+                    a["sampler"], a["shuffle"] = sampler, None
+                args, kwargs = bound.args[1:], bound.kwargs
+            original_loader_init(loader, *args, **kwargs)
+            # Also outside automatic cells: a sampler we put in earlier must not split a second time.
+            _leave_split_to_wrapper(loader)
 
-    loader_init._jupyter_scale = True
-    DataLoader.__init__ = loader_init
+        return loader_init
 
-    original_loader_iter = DataLoader.__iter__
+    _LOADER_INIT.install(patch_loader_init)
 
-    @functools.wraps(original_loader_iter)
-    def loader_iter(loader):
-        if _active is not None:
-            _active._iterating(loader)
-        return original_loader_iter(loader)
+    def patch_loader_iter(original_loader_iter):
+        @functools.wraps(original_loader_iter)
+        def loader_iter(loader):
+            if _active is not None:
+                _active._iterating(loader)
+            return original_loader_iter(loader)
 
-    DataLoader.__iter__ = loader_iter
+        return loader_iter
 
-    original_backward = torch.autograd.backward
+    _LOADER_ITER.install(patch_loader_iter)
 
-    @functools.wraps(original_backward)
-    def backward(*args, **kwargs):  # Tensor.backward() calls it too
-        if _active is not None:
-            return _active._backward_pass(original_backward, args, kwargs)
-        return original_backward(*args, **kwargs)
+    def patch_backward(original_backward):
+        @functools.wraps(original_backward)
+        def backward(*args, **kwargs):  # Tensor.backward() calls it too
+            if _active is not None:
+                return _active._backward_pass(original_backward, args, kwargs)
+            return original_backward(*args, **kwargs)
 
-    torch.autograd.backward = backward
+        return backward
 
-    original_ddp_init = DistributedDataParallel.__init__
+    _BACKWARD.install(patch_backward)
 
-    def ddp_init(ddp, *args, **kwargs):
-        if _active is not None:  # DDP averages its parameters' gradients in backward: not twice
-            _active._stop_overlap()  # before DDP's own collectives
-        original_ddp_init(ddp, *args, **kwargs)
-        _register_ddp(ddp)
+    def patch_ddp_init(original_ddp_init):
+        def ddp_init(ddp, *args, **kwargs):
+            if _active is not None:  # DDP averages its parameters' gradients in backward: not twice
+                _active._stop_overlap()  # before DDP's own collectives
+            original_ddp_init(ddp, *args, **kwargs)
+            _register_ddp(ddp)
 
-    DistributedDataParallel.__init__ = ddp_init
+        return ddp_init
 
-    original_optimizer_init = torch.optim.Optimizer.__init__
+    _DDP_INIT.install(patch_ddp_init)
 
-    @functools.wraps(original_optimizer_init)
-    def optimizer_init(optimizer, params, *args, **kwargs):
-        if _sharding is not None:
-            params = _sharding.sharded_params(params)
-        original_optimizer_init(optimizer, params, *args, **kwargs)
+    def patch_optimizer_init(original_optimizer_init):
+        @functools.wraps(original_optimizer_init)
+        def optimizer_init(optimizer, params, *args, **kwargs):
+            if _sharding is not None:
+                params = _sharding.sharded_params(params)
+            original_optimizer_init(optimizer, params, *args, **kwargs)
 
-    torch.optim.Optimizer.__init__ = optimizer_init
+        return optimizer_init
+
+    _OPTIMIZER_INIT.install(patch_optimizer_init)
 
     def before_step(optimizer, args, kwargs):
         return _active._before_step(optimizer, args, kwargs) if _active is not None else None
 
-    register_optimizer_step_pre_hook(before_step)
+    _OPTIMIZER_STEP.hook(lambda: register_optimizer_step_pre_hook(before_step).remove)
 
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        original_clip = getattr(torch.nn.utils, name)
-
-        def clip(parameters, *args, _original=original_clip, **kwargs):
+    def patch_clip(original_clip):
+        def clip(parameters, *args, **kwargs):
             # Clipping must see the averaged gradients, as it would under DDP.
             if _active is not None and _distributed():
                 parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
                 _active._average(parameters)
-            return _original(parameters, *args, **kwargs)
+            return original_clip(parameters, *args, **kwargs)
 
-        setattr(torch.nn.utils, name, clip)
-        setattr(torch.nn.utils.clip_grad, name, clip)
+        return clip
+
+    for patch in _CLIPS:
+        patch.install(patch_clip)
+
+
+_INIT_PROCESS_GROUP = patches.Patch(
+    "torch.distributed.distributed_c10d.init_process_group", "a cell written for torchrun calls it: a no-op while "
+    "the group exists, a new group through ours after the cell destroyed it", patches.TORCHRUN,
+    also=("torch.distributed.init_process_group",))  # where `import torch.distributed as dist` finds it
+# How a worker joins a new group through its store (worker.py): True if it did.
+_rejoin: Callable[[Any, Any], bool] | None = None
+
+
+def keep_process_group(rejoin: Callable[[Any, Any], bool] | None = None) -> None:
+    """Make torchrun-style `init_process_group()` calls work on the group we run (workers,
+    exported scripts): a no-op while the group exists; after the cell destroyed it, `rejoin
+    (backend, timeout)` forms a new one (MASTER_PORT is taken by our store, so torchrun's
+    env:// rendezvous would collide with it). Before the cell or script imports it by name."""
+    global _rejoin
+    if rejoin is not None:
+        _rejoin = rejoin
+
+    def patch(original):
+        @functools.wraps(original)  # pickles by reference, as the original
+        def init_process_group(backend=None, init_method=None, timeout=None, *args, **kwargs):
+            if dist.is_initialized():
+                return None  # the group the cell runs in
+            if (_rejoin is not None and init_method is None and kwargs.get("store") is None
+                    and _rejoin(backend, timeout)):
+                return None
+            return original(backend, init_method, timeout, *args, **kwargs)  # the user's own rendezvous
+
+        return init_process_group
+
+    _INIT_PROCESS_GROUP.install(patch)
 
 
 def _register_ddp(ddp: DistributedDataParallel) -> None:
@@ -798,7 +868,7 @@ class Sharding:
         global _sharding
         _sharding = None
 
-    def sharded_params(self, params) -> list:
+    def sharded_params(self, params) -> list | torch.Tensor:
         """An optimizer is being built over `params`. The cell's models that own them (bound
         to names in the cell's namespace) are sharded first, as the notebook's were before
         the cell (a model built on the meta device is materialized then; with one rank, only
@@ -933,7 +1003,7 @@ class AutoMode:
             self._warn(message)
 
     # -- gradients -----------------------------------------------------------------
-    def _average(self, params, extra: tuple[int, ...] = ()) -> list[float] | None:
+    def _average(self, params, extra: tuple[float, ...] = ()) -> list[float] | None:
         # Parameters of a DDP model whose forward ran since the last step were averaged
         # by DDP during backward; a DDP model that is merely alive changes nothing. Sharded
         # parameters (FSDP2's DTensors) had their gradients reduce-scattered in backward;

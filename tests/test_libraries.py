@@ -1,6 +1,7 @@
 """Automatic mode next to libraries that distribute by themselves, library objects built in
 the notebook, and what automatic mode says when distribution did nothing. Real cells on a
-real 2-rank gloo group, on every engine; the rebuilding mechanism itself in this process."""
+real 2-rank gloo group on the default engine (the libraries run in the ranks' own code, which
+no engine touches); the rebuilding mechanism itself in this process."""
 
 import copy
 import dataclasses
@@ -395,8 +396,8 @@ def registered(monkeypatch):
     libraries.rebuild_on_workers(f"{__name__}.Settings", arguments="fields")
     libraries.watch()
     yield
-    Snapshot.__init__ = init
-    del Snapshot.__new__, Snapshot._jupyter_scale_recorded
+    libraries.unwatch()
+    assert Snapshot.__init__ is init and "__new__" not in vars(Snapshot)  # as they were
 
 
 def test_a_registered_object_is_rebuilt_where_it_lands_with_what_it_was_built_from(registered):

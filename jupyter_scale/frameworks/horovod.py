@@ -19,10 +19,17 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .. import rendezvous
+from .. import patches, rendezvous
 from . import FrameworkError, Place, connections_between_ranks
 
 _group_sockets: set[int] = set()
+_INIT = patches.Patch("horovod.torch.mpi_ops.init", "the cell's hvd.init() gets the group formed for the worker",
+                      "framework horovod", also=("horovod.torch.init",))  # `hvd.init` is mpi_ops' own
+_SHUTDOWN = patches.Patch("horovod.torch.mpi_ops.shutdown", "the cell's hvd.shutdown() leaves the group to the next "
+                          "cells", "framework horovod", also=("horovod.torch.shutdown",))
+_MAKE_HOOKS = [patches.Patch(f"horovod.torch.optimizer.{name}._make_hook", "only the newest optimizer over a "
+                             "parameter allreduces it in backward (a cell run again makes a second)", "framework horovod")
+               for name in ("_DistributedOptimizer", "_DistributedAdasumOptimizer")]
 
 
 def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
@@ -43,6 +50,7 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
     if missing := [rank for rank, (*_, found) in enumerate(hosts) if found is None]:
         raise FrameworkError(f"no network interface holds the address of rank(s) {missing} "
                              f"({', '.join(hosts[r][0] for r in missing)}): Horovod's gloo needs one")
+    assert iface is not None  # this rank's is among those checked
     addresses = list(dict.fromkeys(address for address, *_ in hosts))
     taken = {(address, local_rank) for address, local_rank, *_ in hosts}
     if len(taken) < len(hosts):  # two hosts behind one address: Horovod could not tell them apart
@@ -83,8 +91,6 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
 def _keep_for_the_next_cells(hvd: Any) -> None:
     """The cell's `hvd.init()` gets the group formed here, and `hvd.shutdown()` leaves it to
     the next cells: a second rendezvous cannot happen (its server is closed)."""
-    from horovod.torch import mpi_ops
-
     def init(comm: Any = None, process_sets: Any = None) -> None:
         if comm or process_sets:
             raise FrameworkError("Horovod's group was formed before the cell ran, of every rank and without "
@@ -95,8 +101,8 @@ def _keep_for_the_next_cells(hvd: Any) -> None:
         warnings.warn("jupyter_scale: Horovod's group is kept for the next cells; hvd.shutdown() does nothing "
                       "(%scale restart ends the workers)", stacklevel=2)
 
-    for module in (hvd, mpi_ops):  # `hvd.init` is mpi_ops' own, imported into horovod.torch
-        module.init, module.shutdown = init, shutdown
+    _INIT.install(lambda _: init)
+    _SHUTDOWN.install(lambda _: shutdown)
 
 
 def _serve_rendezvous(address: str, slots: list) -> Any:
@@ -113,8 +119,6 @@ def _latest_optimizer_hooks() -> None:
     backward. A cell run again wraps a new optimizer over the model the worker kept; the
     first one's hooks would still fire, and Horovod refuses a second allreduce of the same
     name in one step. (An older optimizer that is still stepped averages in its step.)"""
-    from horovod.torch import optimizer
-
     latest: dict[int, weakref.ref] = {}  # id(parameter) -> its newest optimizer (tensors are no dict keys)
 
     def only_for_latest(make_hook: Callable) -> Callable:
@@ -134,8 +138,8 @@ def _latest_optimizer_hooks() -> None:
         return _make_hook
 
     # DistributedOptimizer() makes its class from a copy of these classes' dicts.
-    for cls in (optimizer._DistributedOptimizer, optimizer._DistributedAdasumOptimizer):
-        cls._make_hook = only_for_latest(cls._make_hook)
+    for patch in _MAKE_HOOKS:
+        patch.install(only_for_latest)
 
 
 def receiving() -> AbstractContextManager:

@@ -20,10 +20,14 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .. import rendezvous
+from .. import patches, rendezvous
 from . import FrameworkError, Place, connections_between_ranks
 
 _group_sockets: set[int] = set()
+_DATA_PARALLEL = patches.Patch("paddle.DataParallel", "a model wrapped again gets its wrapper (a second reducer "
+                               "crashes Paddle's backward)", "framework paddle", also=("paddle.distributed.DataParallel",))
+_PICKLE_PARAMETERS = patches.Patch("copyreg.dispatch_table[paddle.base.framework.EagerParamBase]", "parameters travel "
+                                   "as parameters, not plain tensors", "framework paddle")
 
 
 def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
@@ -58,7 +62,7 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
     if faulthandler.is_enabled():
         faulthandler.disable()
         try:  # the process's own stderr: an engine's sys.stderr may be a capture without a descriptor
-            faulthandler.enable(file=sys.__stderr__)
+            faulthandler.enable(file=sys.__stderr__ or sys.stderr)  # (no __stderr__: enable's own default)
         except (OSError, ValueError, AttributeError):
             pass
     pickle_parameters()
@@ -75,26 +79,26 @@ def _wrap_once() -> None:
     """`paddle.DataParallel(model)` of a model already wrapped gives that wrapper: a cell
     run twice would otherwise hook a second reducer onto the same parameters, and
     Paddle's backward then crashes the process (SIGSEGV)."""
-    import paddle
+    def patch(original: Any) -> type:
+        wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(model) -> its wrapper
 
-    original = paddle.DataParallel
-    wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(model) -> its wrapper
+        class DataParallel(original):  # type: ignore[misc, valid-type]
+            def __new__(cls, layers, *args, **kwargs):
+                if isinstance(layers, original):  # `model = DataParallel(model)`, run again
+                    return layers
+                found = wrappers.get(id(layers))
+                return found if found is not None else super().__new__(cls)
 
-    class DataParallel(original):  # type: ignore[misc, valid-type]
-        def __new__(cls, layers, *args, **kwargs):
-            if isinstance(layers, original):  # `model = DataParallel(model)`, run again
-                return layers
-            found = wrappers.get(id(layers))
-            return found if found is not None else super().__new__(cls)
+            def __init__(self, layers, *args, **kwargs):
+                if self is layers or wrappers.get(id(layers)) is self:
+                    return
+                super().__init__(layers, *args, **kwargs)
+                wrappers[id(layers)] = self  # the wrapper holds the model: its id stays its own
 
-        def __init__(self, layers, *args, **kwargs):
-            if self is layers or wrappers.get(id(layers)) is self:
-                return
-            super().__init__(layers, *args, **kwargs)
-            wrappers[id(layers)] = self  # the wrapper holds the model: its id stays its own
+        DataParallel.__qualname__ = original.__qualname__
+        return DataParallel
 
-    DataParallel.__qualname__ = original.__qualname__
-    paddle.DataParallel = paddle.distributed.DataParallel = DataParallel  # type: ignore[misc]
+    _DATA_PARALLEL.install(patch)
 
 
 def pickle_parameters() -> None:
@@ -102,7 +106,19 @@ def pickle_parameters() -> None:
     which neither DataParallel nor an optimizer takes. Kernel and workers both need it."""
     from paddle.base.framework import EagerParamBase
 
-    copyreg.pickle(EagerParamBase, _reduce_parameter)
+    def register() -> Callable[[], None]:
+        before = copyreg.dispatch_table.get(EagerParamBase)
+        copyreg.pickle(EagerParamBase, _reduce_parameter)
+
+        def remove() -> None:
+            if before is None:
+                copyreg.dispatch_table.pop(EagerParamBase, None)
+            else:
+                copyreg.dispatch_table[EagerParamBase] = before
+
+        return remove
+
+    _PICKLE_PARAMETERS.hook(register)
 
 
 def _reduce_parameter(param: Any) -> tuple:

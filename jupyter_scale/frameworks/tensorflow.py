@@ -20,10 +20,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .. import rendezvous
+from .. import patches, rendezvous
 from . import FrameworkError, Place
 
 _strategy: Any = None
+_STRATEGY = patches.Patch("tensorflow.distribute.MultiWorkerMirroredStrategy", "the cell's strategy is the one "
+                          "formed for the worker, in this cell and the next", "framework tensorflow")
 
 
 def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
@@ -67,7 +69,7 @@ def form(place: Place, gather: Callable[[Any], list]) -> set[int]:
                                  "cell without --framework tensorflow?): %scale restart, then run the "
                                  "TensorFlow cell first") from None
         raise
-    tf.distribute.MultiWorkerMirroredStrategy = MultiWorkerMirroredStrategy
+    _STRATEGY.install(lambda _: MultiWorkerMirroredStrategy, owner=tf.distribute)
     return set()  # its connections are made later, by TensorFlow's own threads: `abort` frees them
 
 
