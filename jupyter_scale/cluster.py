@@ -138,25 +138,11 @@ class Cluster:
             log.debug("warming up the %s engine failed", settings.backend_name, exc_info=True)
 
     def _tie_to_kernel(self, backend: Backend, workers: tuple[dict, ...]) -> None:
-        """Workers we started exit when this process dies, even by SIGKILL (no orphans)."""
-        import psutil
-
-        me = psutil.Process()
+        """Workers we started end when this process dies, even by SIGKILL (no orphans): the
+        kernel's watcher (see processes) ends them, with what they started."""
         here = rendezvous.node_identity()
-        # Workers on other nodes (a Slurm job's) cannot see this process: their job ends them.
-        ranks = [r for r, w in enumerate(workers) if w["node"] == here]
-        if not ranks:
-            return
-        pids = {w["pid"] for w in workers}
-        helpers = []
-        for process in backend.local_processes():
-            try:
-                if process.pid not in pids:
-                    helpers.append((process.pid, process.create_time()))
-            except psutil.Error:  # already gone
-                continue
-        backend.submit(worker.watch_parent, me.pid, me.create_time(), helpers,
-                       ranks=ranks).wait(self.settings.call_timeout)
+        # Workers on other nodes (a Slurm job's) cannot be seen from here: their job ends them.
+        backend.tie_to_kernel([w["pid"] for w in workers if w["node"] == here])
 
     # -- stop ----------------------------------------------------------------------------
     def dismiss_workers(self) -> None:

@@ -12,16 +12,17 @@ fork-safe, are the only others allowed. It checks that after its imports and ref
 otherwise; the engine then starts its workers the usual way.
 
 A fork becomes what `Popen(argv, env=, cwd=, stdin=/dev/null, stdout=stderr=output file,
-start_new_session=True)` would have started for `python -c CODE ARGS...`, and the template
-reaps it and tells the kernel its exit status (the kernel is not its parent).
+start_new_session=True)` would have started for `python PROGRAM ARGS...` (a program of
+jupyter_scale.programs), and the template reaps it and tells the kernel its exit status (the
+kernel is not its parent). The template's own program is programs/worker_template.py.
 
 Libraries read some settings from the environment once, when they load (OpenMP's and the
 BLAS libraries' thread counts): a template serves only a worker environment that agrees
 with its own on those (`Template.suits`); otherwise the engine starts a new template.
 
-The template exits when the kernel closes its pipe or dies; its workers have their own
-watch on the kernel. Linux only (a fork of a process with loaded frameworks is unsafe on
-macOS).
+The template exits when the kernel closes its pipe; a kernel that dies ends it, and its
+workers, through the kernel's watcher (processes.kernel_watch, and each cluster's watch).
+Linux only (a fork of a process with loaded frameworks is unsafe on macOS).
 
 Engines that start their workers through `multiprocessing` (Dask's nannies) use its own fork
 server instead (`multiprocessing_server`), with the same imports preloaded: multiprocessing
@@ -36,12 +37,13 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping
+
+from . import processes, programs
 
 log = logging.getLogger(__name__)
 
@@ -49,154 +51,6 @@ log = logging.getLogger(__name__)
 # started under other values would give its workers the wrong ones.
 LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "BLIS_", "VECLIB_", "NUMEXPR_", "LD_",
                       "PYTHON", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "MALLOC_")
-
-# The template's program (`python -c TEMPLATE_MAIN '["module", ...]'`): imports what it is
-# given, checks that a fork is still safe, says "ready", then forks a worker for each request
-# line on stdin and reports every exit on stdout.
-TEMPLATE_MAIN = r"""
-import atexit, gc, json, os, select, signal, sys, traceback
-
-def send(fd, **message):
-    os.write(fd, json.dumps(message).encode() + b"\n")
-
-def threads():
-    return len(os.listdir("/proc/self/task"))
-
-def unsafe_to_fork(allowed):
-    if threads() != allowed:
-        return f"{threads() - allowed} threads were started by the imports"
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "CUDA was initialized by the imports"
-    return None
-
-def become(request, inherited):
-    # In the fork: what Popen(start_new_session=True) with these streams would have started.
-    try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in inherited:
-            os.close(fd)
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.argv = ["-c", *request["args"]]
-        # Python's random reseeds itself in a fork; NumPy's global generator would be the
-        # same in every worker (drawn once, in the template).
-        numpy_random = sys.modules.get("numpy.random")
-        if numpy_random is not None:
-            numpy_random.seed()
-    except BaseException:  # as a failed exec: nothing of the template's loop may run here
-        traceback.print_exc()
-        os._exit(127)
-    code = 0
-    try:
-        exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = -signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    # What the interpreter does at exit: wait for non-daemon threads, run atexit, flush.
-    try:
-        threading = sys.modules.get("threading")
-        if threading is not None:
-            threading._shutdown()
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        if code == -signal.SIGINT:  # ended by Ctrl-C: as Python does, by the signal itself
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(code)
-
-def serve():
-    reply = os.dup(1)  # the kernel's pipe; fd 1 itself goes nowhere, so no import's print reaches it
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.close(null)
-    try:
-        # NumPy's OpenBLAS starts its threads as it loads; they survive a fork (OpenBLAS
-        # stops and restarts them in its fork handlers). No other thread may run.
-        try:
-            import numpy
-        except ImportError:
-            pass
-        allowed = threads()
-        for name in json.loads(sys.argv[1]):
-            __import__(name)
-        problem = unsafe_to_fork(allowed)
-    except BaseException as exc:
-        problem = f"importing the workers' code failed: {type(exc).__name__}: {exc}"
-    if problem:
-        send(reply, error=problem)
-        os._exit(1)
-    gc.collect()
-    gc.freeze()  # the imports' objects: a collection in a fork does not write to their pages
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below as a child exits
-    kernel = os.getppid()
-    send(reply, ready=os.getpid())
-    pending = b""
-    while os.getppid() == kernel:
-        readable = select.select([0, wake_r], [], [], 1.0)[0]
-        if wake_r in readable:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
-        while True:  # reap every worker that ended: a zombie would look alive to the kernel
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            send(reply, exited=pid, code=os.waitstatus_to_exitcode(status))
-        if 0 not in readable:
-            continue
-        data = os.read(0, 1 << 16)
-        if not data:  # the kernel closed the pipe, or is gone
-            break
-        pending += data
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            try:
-                pid = os.fork()
-            except OSError as exc:  # out of processes or memory: say so, and serve on
-                send(reply, spawned=f"fork failed: {exc}", id=request["id"])
-                continue
-            if pid == 0:
-                become(request, (reply, wake_r, wake_w))
-            send(reply, spawned=pid, id=request["id"])
-    os._exit(0)
-
-serve()
-"""
-
 
 class TemplateError(RuntimeError):
     """The template cannot start a worker (it failed to start, refused, or is gone)."""
@@ -236,8 +90,9 @@ class Template:
         self._gone = False
         # Its own session: a Ctrl-C in the terminal running Jupyter does not reach it.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", TEMPLATE_MAIN, json.dumps(self.preload)], stdin=subprocess.PIPE,
+            [*programs.command("worker_template"), json.dumps(self.preload)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, cwd=self.cwd, start_new_session=True)
+        processes.kernel_watch().add_processes([self.process.pid])
         self._reader = threading.Thread(target=self._read, name="jupyter_scale-template", daemon=True)
         self._reader.start()
 
@@ -259,10 +114,10 @@ class Template:
         self._ready.wait(timeout)
         return self._ready.is_set() and self.alive
 
-    def spawn(self, code: str, args: list[str], env: Mapping[str, str], cwd: str, output: str,
+    def spawn(self, path: str, args: list[str], env: Mapping[str, str], cwd: str, output: str,
               timeout: float) -> int:
-        """Fork `python -c code *args` with this environment and directory, its output
-        appended to `output`; its pid."""
+        """Fork `python path *args` (`path`: a program's file) with this environment and
+        directory, its output appended to `output`; its pid."""
         if not self.suits(env):
             raise TemplateError("the worker's thread settings differ from the template's")
         if not self.wait_ready(timeout):
@@ -272,7 +127,7 @@ class Template:
         with self._lock:
             self._next_id += 1
             ident = self._next_id
-            line = json.dumps(dict(id=ident, code=code, args=list(args), env=dict(env), cwd=cwd, output=output))
+            line = json.dumps(dict(id=ident, path=path, args=list(args), env=dict(env), cwd=cwd, output=output))
             try:
                 assert self.process.stdin is not None
                 self.process.stdin.write(line.encode() + b"\n")
@@ -319,11 +174,9 @@ class Template:
         with contextlib.suppress(OSError):
             if self.process.stdin is not None:
                 self.process.stdin.close()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        # The pipe's end is its SIGTERM; reaped by its Popen, which reads how it ended.
+        processes.end(processes.wait([self.process.pid], timeout, reap=False), grace=0, reap=False)
+        self.process.wait()
         self._reader.join(timeout)
         with contextlib.suppress(OSError):
             if self.process.stdout is not None:
@@ -413,7 +266,8 @@ def multiprocessing_server(preload: list[str], env: Mapping[str, str], verify: f
 
     # Its socket must be a file in a directory of ours: Pythons before 3.10.9 and 3.11.1 put it
     # in Linux's abstract namespace, which every local user can connect to (and have it fork).
-    if not supported() or util.is_abstract_socket_namespace(connection.arbitrary_address("AF_UNIX")):
+    if not supported() or util.is_abstract_socket_namespace(
+            connection.arbitrary_address("AF_UNIX")):  # type: ignore[attr-defined]
         return False
     env = dict(env)
     if _server_started_with is not None:
@@ -431,6 +285,9 @@ def multiprocessing_server(preload: list[str], env: Mapping[str, str], verify: f
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     multiprocessing.forkserver.ensure_running()  # it imports `preload` on its own; forks wait for that
     _server_started_with, _server_works = (env, os.getcwd()), None
+    # Ended with the kernel by the kernel's watcher, with the directory of its socket.
+    processes.kernel_watch().add_processes([p for p in [_server_pid()] if p is not None])
+    processes.kernel_watch().add_path(util.get_temp_dir())
     return _verified(verify)
 
 
@@ -440,7 +297,7 @@ def _verified(within: float | None) -> bool:
     if within is None or _server_works is not None:
         return _server_works is not False
     deadline = time.monotonic() + within
-    preload = list(multiprocessing.forkserver._forkserver._preload_modules or ())
+    preload = list(multiprocessing.forkserver._forkserver._preload_modules or ())  # type: ignore[attr-defined]
     probe = multiprocessing.get_context("forkserver").Process(target=_preloaded, args=(preload,),
                                                               name="jupyter_scale-probe", daemon=True)
     failed: list[BaseException] = []
@@ -454,6 +311,7 @@ def _verified(within: float | None) -> bool:
     starter = threading.Thread(target=start, name="jupyter_scale-probe", daemon=True)
     starter.start()
     starter.join(within)
+    why: str | None
     if starter.is_alive():
         why = f"it did not fork within {within:.0f} s"
     elif failed:
@@ -469,8 +327,7 @@ def _verified(within: float | None) -> bool:
     print(f"jupyter_scale: multiprocessing's fork server does not work ({why}); workers start as new processes",
           file=sys.stderr, flush=True)
     if probe.pid is not None:  # before the server goes: then the probe could no longer tell it is alive
-        with contextlib.suppress(OSError):
-            os.kill(probe.pid, signal.SIGKILL)
+        processes.end([probe.pid], grace=0)
     started_with = _server_started_with
     _stop_multiprocessing_server()  # which also ends a start still waiting for it
     starter.join(5)
@@ -508,8 +365,7 @@ def _stop_multiprocessing_server() -> None:
     # It reads the end of its pipe only after its imports, which may take long or never end:
     # it is ended by pid (ours; it holds nothing that needs a clean exit), then multiprocessing
     # reaps it and forgets it (its private `_stop`: it has no public way to end its fork server).
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
+    processes.end([pid], grace=0, reap=False)
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is not None:
         with contextlib.suppress(OSError, ChildProcessError):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from traitlets import Bool, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
-from . import rendezvous
+from . import processes, rendezvous
 from .errors import ClusterError
 
 LOOPBACK = "127.0.0.1"
@@ -308,19 +308,14 @@ def _owner(pid: int | None = None) -> str:
 
 
 def _remove_orphans(base: str) -> None:
-    import psutil
-
     host = socket.gethostname()
     for name in os.listdir(base):
-        owner_host, _, rest = name.rpartition("-")[0].rpartition(".")[0].rpartition(".")
-        pid = rest if owner_host == host else ""
-        if not pid.isdigit():
+        owner, _, started = name.rpartition("-")[0].rpartition(".")
+        owner_host, _, pid = owner.rpartition(".")
+        if owner_host != host or not pid.isdigit() or not started.isdigit():
             continue
-        try:
-            if _owner(int(pid)) == name.rpartition("-")[0]:
-                continue  # its kernel still runs
-        except psutil.Error:
-            pass
+        if processes.alive(int(pid), created=int(started) / 100):
+            continue  # its kernel still runs
         shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
@@ -449,15 +444,4 @@ def create_launcher(name: str, parent=None, **options) -> Launcher:
         return LAUNCHERS[name](parent=parent, **{k: v for k, v in options.items() if v is not None})
     except ValueError as exc:
         raise ClusterError(str(exc)) from None
-
-
-def launcher_rank() -> tuple[int, int] | None:
-    """(rank, size) that the launcher gave this process (srun, mpiexec), or None."""
-    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", "PMIX_SIZE"),
-                               ("PMI_RANK", "PMI_SIZE")):
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
-        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_STEP_NUM_TASKS"])
-    return None
 

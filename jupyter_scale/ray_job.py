@@ -21,29 +21,21 @@ import sys
 import threading
 from typing import Any
 
+import psutil
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import rendezvous
+from . import processes, rendezvous
 
 STOP_GRACE_S = 10.0
 
-# How a rank runs the script: as `python train.py` would, but ending with its actor (a job
-# stopped, a node lost) rather than outliving it (Linux's parent-death signal; a forked
-# child of the actor's threaded process sets it itself, after exec).
-_RUN_SCRIPT = """
-import runpy, signal, sys
-if sys.platform.startswith("linux"):
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 class _Rank:
-    """One rank: runs the script in a process of its own and answers with its exit status."""
+    """One rank: runs the script in a process of its own (`python train.py`, as torchrun would)
+    and answers with its exit status. The script ends with its actor (a job stopped, a node
+    lost) rather than outliving it: the actor's watcher (processes.watch) ends it."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -64,31 +56,33 @@ class _Rank:
             if self._stopped.is_set():
                 return -signal.SIGTERM
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _RUN_SCRIPT, script, *arguments], cwd=os.path.dirname(script) or ".",
+                [sys.executable, script, *arguments], cwd=os.path.dirname(script) or ".",
                 env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            watch = processes.watch()
+            watch.add_processes([self._process.pid])
         assert self._process.stdout is not None
-        for line in self._process.stdout:
-            print(f"[rank {self.rank}] {line}", end="", flush=True)
-        return self._process.wait()
+        try:
+            for line in self._process.stdout:
+                print(f"[rank {self.rank}] {line}", end="", flush=True)
+            return self._process.wait()
+        finally:
+            watch.close()
 
     def stop(self) -> None:
-        """End the script (its process group): SIGTERM, then SIGKILL after a grace period."""
+        """End the script and what it started: SIGTERM, then SIGKILL after a grace period."""
         with self._lock:
             self._stopped.set()
             process = self._process
         if process is None or process.poll() is not None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                process.wait(timeout=STOP_GRACE_S)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            script = psutil.Process(process.pid)
+        except psutil.Error:  # ended meanwhile
+            return
+        # Not reaped here: run() reads the script's status from its Popen.
+        processes.end([script, *processes.descendants([script])], grace=STOP_GRACE_S, reap=False)
+        process.wait()
 
 
 def torchrun_env(rank: int, nodes: list[str], master: tuple[str, int], threads: int = 1) -> dict[str, str]:

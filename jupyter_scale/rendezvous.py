@@ -24,6 +24,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -187,14 +188,21 @@ def new_store_dir() -> str:
     """A directory for a one-host group's FileStore that only this user can enter (0700).
 
     Named after this process, so that the directories of kernels that died without
-    removing theirs (SIGKILL) are found and removed here.
+    removing theirs are found and removed here; a kernel killed by SIGKILL has its watcher
+    remove it (processes.kernel_watch).
     """
+    from . import processes
+
     _remove_orphan_store_dirs()
-    return tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{os.getpid()}-")
+    path = tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{os.getpid()}-")
+    processes.kernel_watch().add_path(path)
+    return path
 
 
 def _remove_orphan_store_dirs() -> None:
     import shutil
+
+    from . import processes
 
     root = tempfile.gettempdir()
     for name in os.listdir(root):
@@ -203,22 +211,11 @@ def _remove_orphan_store_dirs() -> None:
         pid = name[len(STORE_DIR_PREFIX):].split("-")[0]
         path = os.path.join(root, name)
         try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or processes.alive(int(pid)):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:  # not ours to inspect: count it alive
-        return True
 
 
 def free_port(host: str) -> int:
@@ -382,7 +379,8 @@ def init_group(store: dist.Store, backend: str, rank: int, world_size: int,
     # No short collective timeout: a 30-minute training step is normal. A failing rank
     # unblocks its peers' collectives by cutting its connections (see abort_group).
     # The real one, also when a worker has replaced it for torchrun-style cells.
-    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+    # (Untyped: torch's overloads do not take the optional timeout as **options.)
+    init = cast(Callable[..., None], getattr(dist.init_process_group, "__wrapped__", dist.init_process_group))
     options = {"timeout": timeout} if timeout is not None else {}
     init(backend, store=store, rank=rank, world_size=world_size, **options)
     return _groups_own(tcp_socket_inodes() - before, store, rank, world_size)
@@ -540,3 +538,14 @@ def forget_group_in_defaults() -> None:
                     function.__defaults__ = tuple(None if d is group else d for d in function.__defaults__)
                 if function.__kwdefaults__ and any(d is group for d in function.__kwdefaults__.values()):
                     function.__kwdefaults__ = {k: None if d is group else d for k, d in function.__kwdefaults__.items()}
+
+
+def launcher_rank() -> tuple[int, int] | None:
+    """(rank, size) that the launcher gave this process (srun, mpiexec), or None."""
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", "PMIX_SIZE"),
+                               ("PMI_RANK", "PMI_SIZE")):
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return None

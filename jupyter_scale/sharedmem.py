@@ -123,7 +123,9 @@ def unpacked(frames: Sequence, descriptor: dict | None) -> Iterator[list]:
 def probe(frames_out: SharedFrames) -> tuple[dict, bytes]:
     """A token in `frames_out`'s file, for `check_probe` in another process."""
     token = os.urandom(16)
-    return frames_out.pack([token], min_frame=0)[1], token
+    descriptor = frames_out.pack([token], min_frame=0)[1]
+    assert descriptor is not None  # min_frame=0 moves every frame: there is a descriptor
+    return descriptor, token
 
 
 def check_probe(descriptor: dict, token: bytes) -> bool:

@@ -18,13 +18,14 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import channel, frameworks, launchers, rendezvous, sendback, sharedmem, shipping, statesync, training
+from . import frameworks, patches, rendezvous, sendback, sharedmem, shipping, statesync, training, writewatch
 from .metrics import EventSink, Recorder
 from .protocol import CellRequest, Described, Layout
 
@@ -79,6 +80,10 @@ _interrupt_lock = threading.Lock()
 
 _interrupted = threading.Event()  # wakes the cell thread's time.sleep for an interrupt
 _original_sleep = time.sleep
+# An interrupt from another thread (PyThreadState_SetAsyncExc) lands only when the cell's
+# thread runs Python again: without this, a cell sleeping in a thread (Dask, Ray) would sleep on.
+_SLEEP = patches.Patch("time.sleep", "an interrupt wakes a cell that sleeps in a thread (Dask, Ray), as SIGINT "
+                       "wakes the main thread", patches.INTERRUPTS)
 
 
 def interrupt_cell(run: str | None = None) -> bool:
@@ -133,8 +138,8 @@ def _cell_may_be_interrupted(yes: bool) -> None:
         if yes:
             _state.cell_thread = threading.get_ident()
             _interrupted.clear()
-            if threading.current_thread() is not threading.main_thread() and time.sleep is _original_sleep:
-                time.sleep = _interruptible_sleep  # only the cell's own thread sleeps differently
+            if threading.current_thread() is not threading.main_thread():
+                _SLEEP.install(lambda original: _interruptible_sleep)  # only the cell's own thread sleeps differently
         else:
             _state.cell_thread = None
             # Drop an interrupt requested but not raised yet: it would hit the clean-up.
@@ -161,90 +166,44 @@ def describe(shared_memory_probe: tuple | None = None, toward: str | None = None
         "node": rendezvous.node_identity(),
         "interfaces": rendezvous.interfaces(),
         "address": rendezvous.source_address(toward) if toward else None,
-        "sees_store_dir": bool(store_dir) and os.path.isdir(store_dir),
+        "sees_store_dir": bool(store_dir and os.path.isdir(store_dir)),
         "pid": os.getpid(),
-        "launcher_rank": launchers.launcher_rank(),  # (rank, size) from mpiexec or srun
+        "launcher_rank": rendezvous.launcher_rank(),  # (rank, size) from mpiexec or srun
         "cuda_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
     }
 
 
-_parent_watch: threading.Thread | None = None
-PARENT_POLL_S = 1.0
+# What else a reset clears on this worker: an engine's end of a channel (see backends.channel).
+_on_reset: list[Callable[[], None]] = []
 
 
-def watch_parent(pid: int, create_time: float, reap: list | tuple = ()) -> bool:
-    """Exit this worker when the kernel that started it is gone.
-
-    A kernel killed with SIGKILL cannot stop its cluster: each worker notices within a second
-    and exits; the first to notice also stops the engine's helper processes (`reap`: the
-    ipyparallel controller), each given as (pid, create_time) so a reused pid is never hit.
-    Only for clusters the kernel started: workers of a connected cluster are not ours.
-    """
-    global _parent_watch
-    if _parent_watch is not None:
-        return False
-
-    def run() -> None:
-        while _alive(pid, create_time):
-            _original_sleep(PARENT_POLL_S)
-        store = _state.store_file
-        if store and os.path.basename(os.path.dirname(store)).startswith(rendezvous.STORE_DIR_PREFIX):
-            # The kernel's one-host group store: the kernel can no longer remove it.
-            import shutil
-
-            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
-        for helper_pid, helper_created in reap:
-            if _alive(helper_pid, helper_created):
-                try:
-                    os.kill(helper_pid, signal.SIGTERM)
-                except OSError:  # gone meanwhile
-                    pass
-        # This worker's own children go with it (ipyparallel's engine nanny, which would
-        # linger for seconds, and DataLoader workers of a running cell).
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.terminate()
-            except psutil.Error:
-                pass
-        os._exit(1)
-
-    _parent_watch = threading.Thread(target=run, name="jupyter_scale-parent-watch", daemon=True)
-    _parent_watch.start()
-    return True
-
-
-# psutil's start time of a process is its start tick plus the boot time, which Linux derives
-# from the wall clock: a clock adjustment moves it by whole seconds, and both workers of a
-# cluster once exited together, taking their kernel for gone. A pid reused within seconds of
-# the first process's start is no concern.
-START_TIME_SLACK_S = 2.0
-
-
-def _alive(pid: int, create_time: float) -> bool:
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        return (abs(process.create_time() - create_time) < START_TIME_SLACK_S
-                and process.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
+def when_reset(hook: Callable[[], None]) -> None:
+    """Call `hook` whenever this worker is reset (the kernel that used it is done with it)."""
+    if hook not in _on_reset:
+        _on_reset.append(hook)
 
 
 def reset() -> None:
     """Forget every cell's state: a worker of a cluster that another session used starts clean."""
     global _state
     leave_group()
-    channel.close_worker_end()  # the kernel that opened it is done with this worker
+    for hook in _on_reset:
+        hook()
     if _state.sink is not None:
         _state.sink.close()
     if _state.frames_out is not None:
         _state.frames_out.close()
     _state = _WorkerState()
+    # And what it patched: torch's as it was (the next session's cells put back what they use).
+    # Not the engine's streams: this very call's output still goes through them.
+    patches.remove_all(keep=(patches.CAPTURE,))
+
+
+def installed_patches() -> tuple:
+    """What is patched in this worker's process (for `%scale patches`)."""
+    return ({"rank": _state.rank, "patches": patches.installed()},)
 
 
 def open_rendezvous(is_master: bool, master_addr: str, world_size: int, timeout: float) -> int | str | None:
@@ -292,7 +251,7 @@ def join_group(layout: Layout) -> dict:
         return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     _state.group_ready = True
     _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets, on_cut=frameworks.abort_all)
-    _install_torchrun_compat()
+    training.keep_process_group(_rejoin)
     _install_collective_marks()
     rewrapped = _rewrap_stale_ddp()
     return {"rank": rank, "backend": layout["backend"], "device": str(_state.device), "rewrapped": rewrapped}
@@ -321,45 +280,28 @@ def _rewrap_stale_ddp() -> list[str]:
     return common
 
 
-def _install_torchrun_compat() -> None:
-    """Make torchrun-style process-group calls in a cell work on the group we run.
-
-    init_process_group() is a no-op while the group exists; after the cell destroyed it,
-    it joins a new group through our store (MASTER_PORT is taken by that store, so
-    torchrun's env:// rendezvous would collide with it).
-    """
-    import functools
-
+def _rejoin(backend, timeout) -> bool:
+    """A cell's `init_process_group()` after it destroyed the group: a new group through our
+    store (see training.keep_process_group); False where there is no store to join through."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
-    if getattr(c10d.init_process_group, "_jupyter_scale", False):
-        return
-    original = c10d.init_process_group
-
-    def init_process_group(backend=None, init_method=None, timeout=None, *args, **kwargs):
-        if dist.is_initialized():
-            return None  # the group the cell runs in
-        if _state.store is None or init_method is not None or kwargs.get("store") is not None:
-            return original(backend, init_method, timeout, *args, **kwargs)  # the user's own rendezvous
-        _state.reinits += 1
-        store = dist.PrefixStore(f"jupyter_scale/reinit/{_state.reinits}", _state.store)
-        _state.group_sockets |= rendezvous.init_group(store, backend or _state.backend, _state.rank,
-                                                      _state.world_size, _state.device, timeout=timeout)
-        return None
-
-    functools.update_wrapper(init_process_group, original)  # pickles by reference, as the original
-    init_process_group._jupyter_scale = True
-    # Where the function lives and where `import torch.distributed as dist` finds it: a
-    # cell (or a notebook function) that did `from torch.distributed import
-    # init_process_group` gets it from the former when the name arrives from the notebook.
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
+    if _state.store is None:
+        return False
+    _state.reinits += 1
+    store = dist.PrefixStore(f"jupyter_scale/reinit/{_state.reinits}", _state.store)
+    _state.group_sockets |= rendezvous.init_group(store, backend or _state.backend, _state.rank,
+                                                  _state.world_size, _state.device, timeout=timeout)
+    return True
 
 
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
                 "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                 "barrier", "gather", "scatter", "broadcast_object_list", "gather_object", "send", "recv")
+
+
+_MARKS = {name: patches.Patch(f"torch.distributed.{name}", "the heartbeat says which collective a rank waits in",
+                              patches.MARKS, also=(f"torch.distributed.distributed_c10d.{name}",))
+          for name in _COLLECTIVES}
 
 
 def _install_collective_marks() -> None:
@@ -371,33 +313,28 @@ def _install_collective_marks() -> None:
     import functools
 
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
-    for name in _COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None or getattr(original, "_jupyter_scale", False):
-            continue
-
-        def marked(*args, _original=original, _name=name, **kwargs):
+    def mark(original, name):
+        def marked(*args, **kwargs):
             training.note_collective()  # automatic mode: the cell combines across ranks itself
             if kwargs.get("async_op") or _state.collective is not None:
-                return _original(*args, **kwargs)
-            _state.collective = (_name, time.time())
+                return original(*args, **kwargs)
+            _state.collective = (name, time.time())
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             except BaseException:
                 # Freed from a collective (a peer cut the group, an interrupt): the kernel
                 # tells waiting ranks from the ones they waited for by this.
-                _state.failed_in = _name
+                _state.failed_in = name
                 raise
             finally:
                 _state.collective = None
 
-        functools.update_wrapper(marked, original)
-        marked._jupyter_scale = True
-        setattr(dist, name, marked)
-        if getattr(c10d, name, None) is original:  # also where `from torch.distributed import ...` resolves
-            setattr(c10d, name, marked)
+        return functools.update_wrapper(marked, original)
+
+    for name, patch in _MARKS.items():
+        if hasattr(dist, name):  # the collectives of this torch
+            patch.install(functools.partial(mark, name=name))
 
 
 def _heartbeat_status() -> dict:
@@ -477,8 +414,9 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     buffers = replicas = bound = None
     if _state.frames_out is not None:  # the kernel has read the last cell's pull-back
         _state.frames_out.trim()
-    if rank != 0 and request.get("register_back"):
-        sendback.register_back(request["register_back"], _state.namespace, _state.receiver)
+    writewatch.enable(request.get("write_watch", True))
+    if rank != 0 and (register_back := request.get("register_back")):
+        sendback.register_back(register_back, _state.namespace, _state.receiver)
     framework = request.get("framework", "torch")
     auto = request.get("auto", False) and _state.world_size > 1 and _state.group_ready and framework == "torch"
     mode = (training.AutoMode(request.get("seed", 0), _state.namespace, warn=_warn, overlap=request.get("overlap", False))
@@ -486,8 +424,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     # --shard (one worker too: it materializes models built on the meta device). A model
     # sharded here keeps the notebook's tokens of its parameters: their whole tensors are
     # freed, and the notebook's later changes reach the shards.
-    sharding = (training.Sharding(_state.namespace, request["shard"], _state.receiver.replace)
-                if request.get("auto") and request.get("shard") is not None else nullcontext())
+    shard = request.get("shard") if request.get("auto") else None
+    sharding = training.Sharding(_state.namespace, shard, _state.receiver.replace) if shard is not None else nullcontext()
     if _state.device.type == "cuda":  # the current device is the thread's: the call's may be new
         torch.cuda.set_device(_state.device)
     _gate_sigint()  # the engine (or the channel) restores its own handler once the call is answered
@@ -506,10 +444,11 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             # Another framework's group first: TensorFlow's must exist before any TensorFlow op,
             # and notebook models arrive under it.
             group = _framework_group(framework) if framework != "torch" else None
-            with sharedmem.unpacked(frames, request.get("shared_frames")) as frames, \
+            with sharedmem.unpacked(frames, request.get("shared_frames")) as arrived, \
                     group.receiving() if group is not None else nullcontext():
-                shipped = _state.receiver.receive(request, frames)
-            if auto:
+                del frames  # only `arrived` holds them now, emptied at the block's end: the cell does not keep them
+                shipped = _state.receiver.receive(request, arrived)
+            if isinstance(mode, training.AutoMode):  # auto
                 shipped = {name: mode.shard_shipped(value) for name, value in shipped.items()}
             _state.namespace.update(shipped)
             received = True
@@ -521,8 +460,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             _inject()
             _register_source(request["filename"], request["code"])
             code = compile(request["code"], request["filename"], "exec")
-            if rank == 0 and request.get("watch") is not None:
-                snapshot = statesync.Snapshot(_state.namespace, request["watch"])
+            if rank == 0 and (watch := request.get("watch")) is not None:
+                snapshot = statesync.Snapshot(_state.namespace, watch)
             before = _bindings()
             with _as_main():
                 exec(code, _state.namespace)

@@ -172,7 +172,7 @@ class FakeBackend(Backend):
             return {"rank": rank, "backend": "gloo", "device": "cpu", "rewrapped": []}
         if fn is worker.run_cell:
             return self._run_cell(job, rank, args[0])
-        if fn in (worker.watch_parent, worker.leave_group, worker.reset, worker.sync_buffers):
+        if fn in (worker.leave_group, worker.reset, worker.sync_buffers):
             return None
         raise NotImplementedError(f"the fake backend does not run {fn.__name__}")
 
@@ -205,6 +205,9 @@ class FakeBackend(Backend):
         counts = {"events_sent": view.sink.sent, "events_dropped": view.sink.dropped}
         view.sink.close()
         return counts
+
+    def tie_to_kernel(self, pids: list[int]) -> None:
+        pass  # the ranks are threads of this process: nothing to end when it goes
 
     def interrupt(self, ranks: list[int], run: str | None = None) -> None:
         for rank in ranks:

@@ -138,7 +138,8 @@ class Kernel:
     def descendants(self) -> list:
         """Live processes started (directly or not) by the kernel process, but its worker
         template or fork server itself (started at %load_ext, ended by %scale stop; the
-        workers forked from it count)."""
+        workers forked from it count) and its watcher (jupyter_scale.processes: lives as long
+        as the kernel)."""
         import psutil
 
         try:
@@ -159,14 +160,15 @@ def _is_worker_template(process, kernel: int) -> bool:
     """The kernel's child running a template's program (its forks show the same command line)."""
     import psutil
 
-    from jupyter_scale.forkserver import TEMPLATE_MAIN
+    from jupyter_scale import processes, programs
 
     try:
         if process.ppid() != kernel:
             return False
         command = process.cmdline()
-        # Ours (ipyparallel's engines), or multiprocessing's fork server (Dask's workers).
-        return command[1:3] == ["-c", TEMPLATE_MAIN] or "from multiprocessing.forkserver import main" in command[-1]
+        # Ours (ipyparallel's engines), multiprocessing's fork server (Dask's workers), the watcher.
+        return (command[1:2] == [programs.path("worker_template")] or processes.__file__ in command
+                or "from multiprocessing.forkserver import main" in command[-1])
     except (psutil.Error, IndexError):
         return False
 

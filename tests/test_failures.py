@@ -1,14 +1,21 @@
 """Failures never leave anything behind: injected faults on real clusters of both engines."""
 
+import contextlib
 import os
-import shutil
 import signal
+import time
 
 import psutil
 import pytest
 
-from conftest import CLUSTER_ENGINES, ENGINES, SETUP, wait_gone
+from conftest import CLUSTER_ENGINES, DEFAULT_ENGINES, ENGINES, SETUP, kernel_fixture, on_engines, wait_gone
 from kernel import Kernel
+
+pytestmark = pytest.mark.cluster
+
+# Failure modes are each engine's own (how it loses, reports and ends a worker, interrupts a
+# call, keeps its logs): every engine, except where noted.
+kernel = kernel_fixture(ENGINES)
 
 
 def _listening_ports(processes):
@@ -21,12 +28,41 @@ def _listening_ports(processes):
     return ports
 
 
+def _directories_made(k: Kernel, described: dict) -> set[str]:
+    """The cluster's temporary directories: its engine's (Dask's scratch, Ray's), the direct
+    channel's (where the kernel's IPC sockets are), multiprocessing's of the kernel (the
+    fork server's socket)."""
+    made = {described["temp_dir"]} if described.get("temp_dir") else set()
+    with contextlib.suppress(psutil.Error):
+        for c in psutil.Process(k.pid).net_connections(kind="unix"):
+            directory = os.path.dirname(c.laddr) if isinstance(c.laddr, str) else ""
+            if os.path.basename(directory).startswith(("jupyter_scale-", "pymp-")):
+                made.add(directory)
+    return made
+
+
+def _cluster_files(profile_dir: str, cluster_id: str) -> list[str]:
+    """ipyparallel's files of that cluster: connection files, logs, the controller's engine list."""
+    return [os.path.join(profile_dir, d, n) for d in ("security", "log") if os.path.isdir(os.path.join(profile_dir, d))
+            for n in os.listdir(os.path.join(profile_dir, d)) if cluster_id in n]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
     k = Kernel(backend=engine)
     try:
         k.ok(SETUP)
         k.ok("%%distribute --workers 2\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2")
+        described = k.value("jupyter_scale.get_session().backend.describe()")
+        made = _directories_made(k, described)
+        cluster_files = (_cluster_files(described["profile_dir"], described["cluster_id"])
+                         if described.get("cluster_id") else [])
+        if engine == "ipyparallel":
+            assert cluster_files, "no connection or log file of the cluster found"
+        if engine != "ray":  # whose calls take Ray's own path: no direct channel
+            assert any(os.path.basename(p).startswith("jupyter_scale-") for p in made), made  # the channel's
+        if engine != "ipyparallel":
+            assert described.get("temp_dir") in made, described
         store = k.value("jupyter_scale.get_session().group.store['file']")
         scratch = k.value("jupyter_scale.get_session().backend.describe().get('temp_dir')")  # Ray's
         started = psutil.Process(k.pid).children(recursive=True)
@@ -39,13 +75,15 @@ def test_a_killed_kernel_leaves_no_worker_controller_or_port(engine):
         assert not still, f"left behind by a SIGKILLed kernel: {still}"
         listening = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
         assert not ports & listening, f"ports still listening: {ports & listening}"
-        # The group's store directory goes with the workers, or with the next kernel's first group.
-        if os.path.exists(os.path.dirname(store)):
-            from jupyter_scale import rendezvous
-
-            shutil.rmtree(rendezvous.new_store_dir())
+        # The kernel's watcher (jupyter_scale.processes) removes the group's store directory.
         assert not os.path.exists(os.path.dirname(store)), "the group's store directory was left behind"
         assert not scratch or not os.path.exists(scratch), f"{scratch} (the token, Ray's logs) was left behind"
+        # Every file and directory the cluster made goes with it, within seconds.
+        deadline = time.monotonic() + 15
+        while [p for p in [*made, *cluster_files] if os.path.lexists(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in [*made, *cluster_files] if os.path.lexists(p)]
+        assert not left, f"files and directories of the cluster left behind by a SIGKILLed kernel: {left}"
     finally:
         k.client.stop_channels()
         k.manager.cleanup_resources()
@@ -190,8 +228,8 @@ def test_workers_that_cannot_import_torch_fail_the_start_with_the_cause(tmp_path
 DIES_AT_START = '''
 import os, sys
 _cmd = open("/proc/self/cmdline", "rb").read()
-if (b"ipyparallel.engine" in _cmd or b"spawn_main" in _cmd or b"multiprocessing.forkserver" in _cmd
-        or b"default_worker.py" in _cmd):
+if (b"ipyparallel.engine" in _cmd or b"ipp_engine.py" in _cmd or b"spawn_main" in _cmd
+        or b"multiprocessing.forkserver" in _cmd or b"default_worker.py" in _cmd):
     sys.stderr.write("ImportError: libsimulated.so: cannot open shared object file\\n")
     sys.stderr.flush()
     os._exit(3)
@@ -400,6 +438,7 @@ print("right")
     "m[1] = nn.Linear(4, 3)",             # a layer reshaped
     "m.double()",                         # another dtype
 ])
+@on_engines(DEFAULT_ENGINES)
 def test_a_model_whose_structure_the_cell_changed_comes_back_changed_as_locally(kernel, change):
     """Into the notebook's own model (the same object, its unchanged layers too), as the same
     cell run locally leaves it: what a new layer was drawn with differs (the ranks' seed)."""

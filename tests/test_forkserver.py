@@ -17,11 +17,14 @@ from stranger import run_as_stranger
 from traitlets.config import Config
 
 from conftest import _started_kernel, wait_gone
-from jupyter_scale import forkserver
+from jupyter_scale import forkserver, programs
 from jupyter_scale.backends import ipyparallel as ipp_backend
 from jupyter_scale.session import ScaleSession
 
-pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="worker templates need Linux")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(not forkserver.supported(), reason="worker templates need Linux"),
+]
 
 
 def _template() -> forkserver.Template:
@@ -62,9 +65,10 @@ def test_workers_are_forks_of_the_template_and_start_as_new_processes(session, t
     finally:
         del os.environ["JUPYTER_SCALE_T"]
     seen = session.gather("seen")
-    # Each its own session leader, with the kernel's environment and directory of now, `-c`
-    # as a Python started anew, stdin at /dev/null, and NumPy's random numbers its own.
-    assert [s[:4] for s in seen] == [(True, "-c", "set-after-the-template", os.getcwd())] * 2
+    # Each its own session leader, with the kernel's environment and directory of now, its
+    # program's file as a Python started anew, stdin at /dev/null, and NumPy's random numbers its own.
+    engine = programs.path("ipp_engine")
+    assert [s[:4] for s in seen] == [(True, engine, "set-after-the-template", os.getcwd())] * 2
     assert seen[0][4] != seen[1][4]
     assert [s[5] for s in seen] == ["", ""]
 
@@ -129,17 +133,19 @@ def test_a_fork_that_cannot_start_and_a_stuck_template_fail_in_one_line(tmp_path
     try:
         assert template.wait_ready(60), template.error
         output = tmp_path / "out.log"
-        pid = template.spawn("print('ran')", [], dict(os.environ), str(tmp_path / "missing"), str(output), timeout=10)
+        program = tmp_path / "program.py"
+        program.write_text("print('ran')\n")
+        pid = template.spawn(str(program), [], dict(os.environ), str(tmp_path / "missing"), str(output), timeout=10)
         assert template.wait_exit(pid, 10) and template.exit_code(pid) == 127  # as a failed exec
         assert "FileNotFoundError" in output.read_text() and "ran" not in output.read_text()
-        pid = template.spawn("print('ran')", [], dict(os.environ), str(tmp_path), str(output), timeout=10)
+        pid = template.spawn(str(program), [], dict(os.environ), str(tmp_path), str(output), timeout=10)
         assert template.wait_exit(pid, 10) and template.exit_code(pid) == 0  # it serves on
     finally:
         template.close()
     slow = forkserver.Template(["torch"])  # seconds of imports: not ready within 10 ms
     try:
         with pytest.raises(forkserver.TemplateError, match="not ready within"):
-            slow.spawn("pass", [], dict(os.environ), str(tmp_path), str(tmp_path / "o"), timeout=0.01)
+            slow.spawn(str(program), [], dict(os.environ), str(tmp_path), str(tmp_path / "o"), timeout=0.01)
         assert slow.refused and slow.process.wait(10) is not None  # ended, and not waited for again
     finally:
         slow.close()

@@ -23,15 +23,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
-import psutil
 from traitlets import Dict
 from traitlets.config import LoggingConfigurable
 from traitlets.traitlets import MetaHasTraits
 
+from .. import processes
 from ..errors import ClusterError
+from ..processes import descendants as descendants  # re-exported (the session's import)
+from ..processes import end
+from ..protocol import Output
 
 log = logging.getLogger(__name__)
 # How long `connect` waits for a scheduler or controller to answer. One that is there
@@ -40,17 +42,6 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 8.0
 # How long a rank's output may trail its reply before the rank counts as done anyway.
 OUTPUT_GRACE_S = 2.0
-
-
-@dataclass
-class Output:
-    """A piece of what a worker printed or displayed while running."""
-
-    rank: int
-    stream: str  # "stdout", "stderr" or "display"
-    text: str = ""
-    data: dict = field(default_factory=dict)  # mimebundle, for "display"
-    metadata: dict = field(default_factory=dict)
 
 
 class Job(abc.ABC):
@@ -267,6 +258,19 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         """psutil handles of the processes `start` started (workers first where it can tell)."""
         return []
 
+    # What the kernel's watcher ends and removes if the kernel dies before `stop` (see
+    # processes): an engine registers its cluster's processes and files as it makes them, and
+    # closes it in `stop`.
+    _watch: processes.Watch | None = None
+
+    def tie_to_kernel(self, pids: list[int]) -> None:
+        """Have the kernel's watcher end these processes of this host (workers the engine does
+        not know as its own: a Slurm job's on this node), and what they started, if the kernel
+        dies before stopping the cluster."""
+        if self._watch is None:
+            self._watch = processes.watch()
+        self._watch.add_processes(pids)
+
     def open_events(self):
         """The kernel's end of the workers' event stream (metrics.EventQueue).
 
@@ -306,79 +310,9 @@ def split_frames(args: tuple) -> tuple[tuple, list]:
     return args[:split], list(args[split:])
 
 
-# The start of a `python -c` program for a process of the engine's that the kernel starts
-# (ipyparallel's controller, Ray's head): it ends itself, and every process it started, when
-# the kernel is gone, even killed by SIGKILL. Workers elsewhere cannot watch the kernel, but
-# they lose their controller or head. The kernel is named by pid and start time (see
-# kernel_watch_env), so a reused pid is not it (to within seconds: worker.START_TIME_SLACK_S).
-KERNEL_WATCH = """
-import os, threading, time
-import psutil
-
-def _watch(pid, created):
-    while True:
-        try:
-            kernel = psutil.Process(pid)
-            if abs(kernel.create_time() - created) >= 2.0 or kernel.status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(1.0)
-    # SIGKILL, all at once: the kernel is gone, nothing here is worth a graceful exit, and a
-    # process told to stop may stop its siblings' parent first (Ray's `ray start --block`
-    # exits when one of its daemons does, leaving the others orphaned).
-    if scratch:  # the cluster's own files (Ray's: its token, logs, spilled objects), first: `ray
-        import shutil  # start` exits as soon as one of its daemons dies
-
-        shutil.rmtree(scratch, ignore_errors=True)
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(children, timeout=5)  # reaps ours: no zombie outlives us
-    os._exit(1)
-
-pid, created = os.environ.pop("JUPYTER_SCALE_KERNEL").split(":")
-scratch = os.environ.pop("JUPYTER_SCALE_SCRATCH", "")
-threading.Thread(target=_watch, args=(int(pid), float(created)), daemon=True).start()
-"""
-
-
-def kernel_watch_env(scratch: str = "") -> dict[str, str]:
-    """The environment that names this kernel to KERNEL_WATCH (and a directory it removes)."""
-    kernel = psutil.Process()
-    return {"JUPYTER_SCALE_KERNEL": f"{kernel.pid}:{kernel.create_time()!r}", "JUPYTER_SCALE_SCRATCH": scratch}
-
-
-def descendants(processes: list) -> list:
-    """psutil handles of every process that `processes` started, directly or not, now: once
-    its parent exits, an orphan can no longer be traced back to it."""
-    found = []
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            found.extend(process.children(recursive=True))
-    return found
-
-
-def end_processes(processes: list, timeout: float) -> None:
-    """SIGTERM, then SIGKILL for whatever still runs `timeout` s later. By pid: psutil
-    checks that a pid was not reused before it signals."""
-    def running(process) -> bool:  # a zombie is gone (an orphan's init may never reap it)
-        with contextlib.suppress(psutil.Error):
-            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        return False
-
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.terminate()
-    deadline = time.monotonic() + timeout
-    while any(map(running, processes)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for process in filter(running, processes):
-        with contextlib.suppress(psutil.Error):
-            process.kill()
+def end_processes(found: list, timeout: float) -> None:
+    """processes.end (SIGTERM, `timeout` s, SIGKILL), under the name the session imports."""
+    end(found, grace=timeout)
 
 
 def describe_exit(code: int | None) -> str:

@@ -36,10 +36,10 @@ from distributed.core import Status
 from distributed.security import Security
 from traitlets import Bool
 
-from .. import capture, channel, forkserver, metrics, worker
+from .. import capture, forkserver, metrics, patches, processes, worker
 from ..errors import ClusterError
 from ..launchers import Launcher, SlurmLauncher
-from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
+from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, channel, describe_exit, engine_errors
 from .base import Frames, split_frames
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ CLIENT_SEND_INTERVAL_S = 0.001
 TOPIC_SCHEME = "dask-topic"
 # What the embedded cluster's fork server imports once: what every worker imports anyway.
 FORK_PRELOAD = ["distributed", "torch", "jupyter_scale.worker", __name__]
+_OUR_PRELOADS = patches.Patch("distributed.utils._forkserver_preload_set", "Dask's fork server imports ours, "
+                              "not every optional package Dask knows of", "engine dask")
 MULTIPROCESSING_METHOD = "distributed.worker.multiprocessing-method"
 # Dask's logs for debugging (see DaskBackend.start), short: they hold output and arguments.
 _FEW_KEPT = {"distributed.admin.low-level-log-length": 16}
@@ -228,12 +230,9 @@ def _rank_order(workers: dict) -> list[str]:
     return sorted(workers, key=key)
 
 
-def _end(processes: list) -> None:
+def _end(found: list) -> None:
     """Wait (5 s at most) for processes the nannies were told to stop; kill what is left."""
-    _, alive = psutil.wait_procs(processes, timeout=5)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
+    processes.end(processes.wait(found, 5), grace=0)
 
 
 class _TopicEventQueue(metrics.EventQueue):
@@ -292,7 +291,7 @@ class _DaskJob(Job):
         if rank not in self._values:
             # Every result that is ready, in one round trip (not one per rank).
             ready = [r for r, f in self._futures.items() if r not in self._values and f.status == "finished"]
-            values = self._backend.client.gather([self._futures[r] for r in ready])
+            values = self._backend._require_client().gather([self._futures[r] for r in ready])
             self._values.update(zip(ready, values))
         value = self._values.pop(rank)
         return tuple(value.frames) if isinstance(value, Frames) else value
@@ -302,7 +301,7 @@ class _DaskJob(Job):
         pending = [f for f in self._futures.values() if not f.done()]
         if pending:
             with contextlib.suppress(Exception):
-                self._backend.client.cancel(pending)
+                self._backend._require_client().cancel(pending)
         for future in [*self._futures.values(), *self._held]:
             with contextlib.suppress(Exception):
                 future.release()
@@ -365,6 +364,7 @@ class DaskBackend(Backend):
         self.owns_cluster = True
         self._remote = False  # workers on other machines (a Slurm job's): no pids of ours
         self._scratch: tempfile.TemporaryDirectory | None = None
+        self._watch: processes.Watch | None = None  # the embedded cluster's (see processes)
 
     # -- lifecycle -----------------------------------------------------------------
     def warm_up(self) -> None:
@@ -385,9 +385,7 @@ class DaskBackend(Backend):
         os.environ.update(pre_spawn)
         # Dask sets the fork server's imports once, at its first start, importing every
         # optional package it knows of into this process to list them: ours are set instead.
-        import distributed.utils
-
-        distributed.utils._forkserver_preload_set = True
+        _OUR_PRELOADS.install(lambda _: True)
         try:
             return forkserver.multiprocessing_server(FORK_PRELOAD, os.environ, verify)
         except Exception:  # workers start as new processes: what Dask does by default
@@ -428,6 +426,9 @@ class DaskBackend(Backend):
         options.setdefault("worker_class", type("_Nanny", (_Nanny,), {"born": nannies}))
         options.update(self.cluster_options)
         scratch = tempfile.TemporaryDirectory(prefix="jupyter_scale-dask-")
+        # What the kernel's watcher ends and removes if the kernel dies: this directory, the workers.
+        self._watch = processes.watch()
+        self._watch.add_path(scratch.name)
         settings = {
             **_worker_settings(),
             # The scheduler's and workers' files: not in Dask's /tmp/dask-scratch-space, shared
@@ -637,6 +638,8 @@ class DaskBackend(Backend):
                                "install jupyter_scale and torch in the workers' environment") from exc
         self._addresses, self._pids = addresses, [pids[a] for a in addresses]
         self._alive = self._alive_before = set(addresses)
+        if self._watch is not None:
+            self._watch.add_processes(self.local_processes())
 
     def stop(self) -> None:
         client, cluster = self.client, self._cluster
@@ -656,6 +659,9 @@ class DaskBackend(Backend):
                 if self._scratch is not None:
                     self._scratch.cleanup()
                     self._scratch = None
+                if self._watch is not None:
+                    self._watch.close()
+                    self._watch = None
                 # dask-jobqueue's copies of the worker certificate (the Slurm jobs read them).
                 for key in ("ca_file", "cert", "key"):
                     with contextlib.suppress(Exception):
@@ -679,6 +685,8 @@ class DaskBackend(Backend):
                 "connected": not self.owns_cluster}
         with contextlib.suppress(Exception):  # no dashboard, or none the client knows of
             info["dashboard"] = self.client.dashboard_link
+        if self._scratch is not None:  # the embedded cluster's files (its scheduler's and workers')
+            info["temp_dir"] = self._scratch.name
         return info
 
     def exit_code(self, pid: int) -> int | None:
@@ -717,7 +725,7 @@ class DaskBackend(Backend):
         now = time.monotonic()
         if fresh or now - self._alive_at > LIVENESS_INTERVAL_S:
             try:
-                answer = set(self.client.scheduler_info(n_workers=-1)["workers"])
+                answer = set(self._require_client().scheduler_info(n_workers=-1)["workers"])
             except Exception:  # no answer (a busy or gone scheduler): nothing learnt, keep what we knew
                 log.debug("scheduler_info failed", exc_info=True)
                 return self._alive

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,11 +22,10 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import Bool, Dict, Float, List, Unicode
 
-from .. import channel, forkserver, metrics
+from .. import forkserver, metrics, processes, programs
 from ..errors import ClusterError
 from ..launchers import Launcher, MPILauncher, SlurmLauncher
-from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, describe_exit, engine_errors
-from .base import KERNEL_WATCH, kernel_watch_env
+from . import CONNECT_TIMEOUT_S, Backend, Job, Output, WorkerCallFailed, WorkerLost, channel, describe_exit, engine_errors
 
 log = logging.getLogger(__name__)
 _quiet_cluster_log = logging.getLogger(__name__ + ".cluster")
@@ -75,51 +73,9 @@ class _EngineLauncher(LocalEngineLauncher):
         return super().get_output(remove)
 
 
-# ipyparallel's engine, with the worker code (torch: a second or two) imported first: while
-# the controller starts, instead of after registering, before the first cell. A failed
-# import is left to the first call, which reports it with its cause (WorkerCallFailed)
-# rather than an engine dying at start. (Not `-m` a module of ours: that would import the
-# jupyter_scale package, and torch, outside the try.)
-_ENGINE_MAIN = """
-try:
-    import jupyter_scale.worker
-except Exception:
-    pass
-from ipyparallel.engine.app import main
-main()
-"""
-
-
-# ipyparallel's controller, ending itself (and the schedulers it started) when the kernel that
-# started it is gone: engines of a Slurm job on other nodes cannot watch the kernel, but they
-# shut down once the controller's heartbeats stop (max_heartbeat_misses), which ends the job.
-# Its heart monitor registers an engine as soon as the engine's heart answers a ping, not at
-# the ping after (HEARTBEAT_MS later): a new engine is there in ~HEARTBEAT_MS / 2, not up to
-# 2 * HEARTBEAT_MS. (It runs in a process the controller forks, which inherits the change.)
-# Its connection files are written whole or not at all: local engines start with it and read
-# them as soon as they exist (IPEngine.wait_for_url_file).
-_CONTROLLER_MAIN = KERNEL_WATCH + """
-import json, tempfile
-from ipyparallel.controller import app, heartmonitor
-
-def _save_connection_dict(self, fname, cdict):
-    directory = self.profile_dir.security_dir
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=".partial-")  # owner-only
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(cdict, indent=2))
-    os.replace(partial, os.path.join(directory, fname))
-
-app.IPController.save_connection_dict = _save_connection_dict
-
-def _handle_pong(self, msg, _handle=heartmonitor.HeartMonitor.handle_pong):
-    _handle(self, msg)
-    if msg[0] in self.responses and msg[0] not in self.hearts:
-        self.handle_new_hearts({msg[0]})
-
-heartmonitor.HeartMonitor.handle_pong = _handle_pong
-from ipyparallel.controller.app import main
-main()
-"""
+# ipyparallel's engine and controller with our changes: programs/ipp_engine.py, programs/ipp_controller.py.
+_ENGINE = programs.command("ipp_engine")
+_CONTROLLER = programs.command("ipp_controller")
 
 # What the worker template imports once (forkserver): all the controller and an engine
 # import to start, and the worker code an engine's first call imports.
@@ -133,29 +89,32 @@ TEMPLATE_WAIT_S = 30.0
 class _Forked:
     """A local launcher (mixed in before it) whose process is forked from the kernel's
     worker template instead of started anew; the template, which reaps it, says how it
-    ended. Where the template cannot, the process starts the usual way."""
+    ended. Where the template cannot, the process starts the usual way. Either way the
+    process is given to the cluster's watch as soon as it runs (processes.watch)."""
 
     fork: bool = False  # whether to ask for the kernel's template at start (a new one if it died)
+    watch: processes.Watch | None = None  # the cluster's
     template: forkserver.Template | None = None
     seen_exit_code: int | None = None
 
     def start(self):
         self.template = forkserver.template(TEMPLATE_PRELOAD) if self.fork else None
         if self.template is None:
-            return super().start()
+            return self._watched(super().start())
         env = os.environ.copy()
         env.update(self.get_env())
-        argv = self.args  # [python, "-c", MAIN, *ipyparallel's arguments]
+        argv = self.args  # [python, program, *ipyparallel's arguments]
         # Popen(cwd=) reads a relative directory against the kernel's, not the template's; and
         # ipyparallel's apps chdir to a default taken when they were imported (in the template).
         cwd = os.path.abspath(self.work_dir)
         try:
-            self.pid = self.template.spawn(argv[2], [*argv[3:], f"--work-dir={cwd}"], env, cwd, self.output_file,
+            self.pid = self.template.spawn(argv[1], [*argv[2:], f"--work-dir={cwd}"], env, cwd, self.output_file,
                                            timeout=TEMPLATE_WAIT_S)
         except forkserver.TemplateError as exc:
             log.info("%s starts as a new process: %s", self.identifier, exc)
             self.template = None
-            return super().start()
+            return self._watched(super().start())
+        self._watched(None)
         try:
             self.process = psutil.Process(self.pid)
         except psutil.NoSuchProcess:  # ended at once, and the template reaped it
@@ -164,6 +123,11 @@ class _Forked:
             raise ClusterError(f"{self.identifier} {how} as it started (its output: {self.output_file})") from None
         self.notify_start(self.pid)
         LocalProcessLauncher._start_waiting(self)
+
+    def _watched(self, result: Any) -> Any:
+        if self.watch is not None and getattr(self, "pid", None):
+            self.watch.add_processes([self.pid])
+        return result
 
     def _wait(self):
         if self.template is None:
@@ -189,17 +153,17 @@ class _Forked:
         return code
 
 
-def _controller(fork: bool) -> type:
+def _controller(fork: bool, watch: processes.Watch) -> type:
     return type("_ControllerLauncher", (_Forked, LocalControllerLauncher), {
-        "controller_cmd": List([sys.executable, "-c", _CONTROLLER_MAIN]),
-        "environment": Dict(kernel_watch_env()),
+        "controller_cmd": List(list(_CONTROLLER)),
         "fork": fork,
+        "watch": watch,
     })
 
 
 class _EngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = _EngineLauncher
-    engine_cmd = List([sys.executable, "-c", _ENGINE_MAIN])
+    engine_cmd = List(list(_ENGINE))
     delay = Float(0.0, config=True, help="Seconds between engines' starts (0.1 s each in ipyparallel): ranks do "
                                              "not follow engine ids.")
 
@@ -211,13 +175,14 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
         return result
 
 
-def _local_engines(fork: bool, timeout: float) -> type:
-    """Local engines, forked from the kernel's worker template if `fork`. They start with the
-    controller and wait (up to `timeout`) for its connection file."""
-    traits: dict = {"engine_args": List([f"--IPEngine.wait_for_url_file={timeout}"])}
-    if fork:
-        traits["launcher_class"] = type("_ForkedEngineLauncher", (_Forked, _EngineLauncher), {"fork": True})
-    return type("_LocalEngineSetLauncher", (_EngineSetLauncher,), traits)
+def _local_engines(fork: bool, timeout: float, watch: processes.Watch) -> type:
+    """Local engines, forked from the kernel's worker template if `fork`, each given to the
+    cluster's `watch`. They start with the controller and wait (up to `timeout`) for its
+    connection file."""
+    return type("_LocalEngineSetLauncher", (_EngineSetLauncher,), {
+        "engine_args": List([f"--IPEngine.wait_for_url_file={timeout}"]),
+        "launcher_class": type("_ForkedEngineLauncher", (_Forked, _EngineLauncher), {"fork": fork, "watch": watch}),
+    })
 
 
 def _slurm_engines(launcher: SlurmLauncher) -> type:
@@ -231,7 +196,7 @@ def _slurm_engines(launcher: SlurmLauncher) -> type:
                 "#SBATCH --output={output_file}\n" + directives.replace("{", "{{").replace("}", "}}")
                 + f"srun --cpus-per-task={launcher.cpus_per_worker} {{program_and_args}}\n")
     return type("_SlurmEngines", (SlurmEngineSetLauncher,), {
-        "engine_cmd": List([sys.executable, "-c", _ENGINE_MAIN]),
+        "engine_cmd": List(list(_ENGINE)),
         "batch_template": Unicode(template),
         "batch_file_name": Unicode(os.path.join(directory, "engines.sbatch")),
         "output_file": Unicode(os.path.join(directory, "engines.out")),
@@ -242,7 +207,7 @@ def _mpi_engines(launcher: MPILauncher, n: int) -> type:
     """ipyparallel's MPI engine launcher: `mpiexec -n N` our engine, with Open MPI's flags."""
     mpiexec, args, env = launcher.command(n)
     return type("_MPIEngines", (MPIEngineSetLauncher,), {
-        "engine_cmd": List([sys.executable, "-c", _ENGINE_MAIN]),
+        "engine_cmd": List(list(_ENGINE)),
         "mpi_cmd": List(mpiexec),
         "mpi_args": List(args),
         "environment": Dict(env),
@@ -292,6 +257,18 @@ def _keep_private(cluster: ipp.Cluster) -> None:
                 os.chmod(os.path.join(log_dir, name), 0o600)
     except OSError as exc:  # a profile directory of someone else's: their choice
         log.warning("could not make %s owner-only: %s", log_dir, exc)
+
+
+def _watch_files(cluster: ipp.Cluster, watch: processes.Watch) -> None:
+    """The cluster's files in the profile (its connection files, its processes' logs, the
+    controller's list of engines), for the kernel's watcher to remove if the kernel dies: they
+    are named after the cluster id, which ipyparallel makes unique (time and random letters)."""
+    if not cluster.cluster_id:  # a profile's default cluster: its file names are not the cluster's alone
+        return
+    watch.add_files(os.path.join(cluster.profile_dir, "security"), f"ipcontroller-{cluster.cluster_id}-*")
+    log_dir = os.path.join(cluster.profile_dir, "log")
+    watch.add_files(log_dir, f"ip*-{cluster.cluster_id}-*.log")
+    watch.add_files(log_dir, f"engines{cluster.cluster_id}.json")
 
 
 def _startup_failure(cluster: ipp.Cluster) -> str:
@@ -509,7 +486,7 @@ def _shut_engines(client: ipp.Client, engines: list) -> None:
     # queued shutdown request, and every stop then waited out the 5 s. Engines elsewhere (a
     # Slurm job's) are gone once the controller no longer lists them.
     if engines:
-        psutil.wait_procs(engines, timeout=5)
+        processes.wait(engines, 5)
     else:
         deadline = time.monotonic() + 5
         while client.ids and time.monotonic() < deadline:
@@ -550,6 +527,7 @@ class IPyParallelBackend(Backend):
         self._processes: dict[int, psutil.Process] = {}
         self._ended_at: dict[int, float] = {}  # engine id -> when its process was first seen ended
         self._replaceable = False  # engines of our own local launcher: replace_workers keeps the controller
+        self._watch: processes.Watch | None = None  # the started cluster's (see processes)
 
     # -- lifecycle -----------------------------------------------------------------
     def warm_up(self) -> None:
@@ -589,21 +567,23 @@ class IPyParallelBackend(Backend):
         )
         # Local processes are forks of the kernel's worker template (see forkserver).
         fork = self.fork_workers and forkserver.supported()
+        watch = self._watch = processes.watch()  # what the kernel's watcher ends and removes if the kernel dies
         if not {"controller", "controller_launcher_class"} & set(self.cluster_options):
-            options["controller_launcher_class"] = _controller(fork)
+            options["controller_launcher_class"] = _controller(fork, watch)
         if isinstance(launcher, SlurmLauncher):
             launcher.check(tasks=n, worker_per_job=False)
             options["engine_launcher_class"] = _slurm_engines(launcher)
         elif isinstance(launcher, MPILauncher):
             options["engine_launcher_class"] = _mpi_engines(launcher, n)
         elif not {"engines", "engine_launcher_class"} & set(self.cluster_options):
-            options["engine_launcher_class"] = _local_engines(fork, timeout)  # exit codes kept
+            options["engine_launcher_class"] = _local_engines(fork, timeout, watch)  # exit codes kept
             self._replaceable = True
             # Not once the controller wrote it: they read its connection file themselves.
             options["send_engines_connection_env"] = False
         options.update(self.cluster_options)
         cluster = ipp.Cluster(**options)
         _keep_private(cluster)
+        _watch_files(cluster, watch)
         if isinstance(launcher, SlurmLauncher):
             launcher.find_jobs = lambda: [getattr(s, "job_id", "") for s in cluster.engines.values()]
         try:
@@ -622,12 +602,15 @@ class IPyParallelBackend(Backend):
             launcher.wait_for_workers(ready, n, timeout)
             pids = _await_routes(client, sorted(client.ids)[:n], max(deadline - time.monotonic(), 2 * PROBE_AGAIN_S))
             _keep_private(cluster)
+            watch.add_processes(self._local_processes(cluster))  # those of launchers other than ours (mpiexec)
         except BaseException as exc:  # not engine_errors: the engines' own output says more than ours
             detail = _startup_failure(cluster) or str(exc)
             try:
                 cluster.stop_cluster_sync()
             except Exception:  # already half-down; the original error is what matters
                 log.debug("cleanup after failed start", exc_info=True)
+            else:
+                watch.close()
             if isinstance(exc, KeyboardInterrupt):
                 raise
             raise ClusterError(f"could not start {n} ipyparallel engines: {detail}"
@@ -647,6 +630,7 @@ class IPyParallelBackend(Backend):
         if not self.replaces_workers:
             return super().replace_workers(n, timeout)
         client, cluster = self._client, self._cluster
+        assert client is not None and cluster is not None  # as replaces_workers found
         deadline = time.monotonic() + timeout
         _shut_engines(client, self.local_processes()[1:])
         cluster.stop_engines_sync()
@@ -725,6 +709,9 @@ class IPyParallelBackend(Backend):
             # itself removes it): one file per cluster piled up in the profile's log.
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
 
     @property
     def running(self) -> bool:
@@ -770,10 +757,14 @@ class IPyParallelBackend(Backend):
 
     def local_processes(self) -> list:
         """psutil handles of the controller and engine processes this backend started."""
-        if self._cluster is None:
+        return self._local_processes(self._cluster)
+
+    @staticmethod
+    def _local_processes(cluster: ipp.Cluster | None) -> list:
+        if cluster is None:
             return []
-        launchers = [self._cluster.controller]
-        for engine_set in self._cluster.engines.values():
+        launchers = [cluster.controller]
+        for engine_set in cluster.engines.values():
             launchers.extend(getattr(engine_set, "launchers", {}).values())
         return [launcher.process for launcher in launchers
                 if launcher is not None and getattr(launcher, "process", None) is not None]
@@ -803,11 +794,7 @@ class IPyParallelBackend(Backend):
         process = self._processes.get(eid)
         if process is None:
             return False
-        try:
-            running = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            running = False
-        if running:
+        if processes.alive(process):
             return False
         return time.monotonic() - self._ended_at.setdefault(eid, time.monotonic()) >= EXIT_GRACE_S
 

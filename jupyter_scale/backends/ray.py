@@ -9,7 +9,7 @@ KeyboardInterrupt in the cell's thread (`worker.interrupt_cell`), from a method 
 "control" concurrency group, which runs beside the busy cell.
 
 The embedded cluster is `ray start --head --block` in a session of its own (a kernel interrupt
-signals the kernel's process group), tied to the kernel (base.KERNEL_WATCH), with token
+signals the kernel's process group), tied to the kernel (processes.watch), with token
 authentication: every gRPC port of Ray's answers only peers that hold this cluster's token.
 """
 
@@ -25,7 +25,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,11 +39,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from traitlets import Dict, Float
 
-from .. import capture, metrics, rendezvous, worker
+from .. import capture, metrics, patches, processes, programs, rendezvous, worker
 from ..errors import ClusterError
 from ..launchers import Launcher
-from . import Backend, Job, WorkerCallFailed, WorkerLost, descendants, end_processes, engine_errors
-from .base import KERNEL_WATCH, Frames, kernel_watch_env, split_frames
+from . import Backend, Job, WorkerCallFailed, WorkerLost, descendants, engine_errors
+from .base import Frames, split_frames
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +53,6 @@ PUT_MIN_BYTES = 1 << 20
 # How long an actor holds the kernel's request for its outbox when nothing is in it.
 TAKE_WAIT_S = 0.2
 OUTBOX_SCHEME = "ray-outbox"
-# `ray start --block` of the embedded cluster: ends itself and Ray's processes with the kernel.
-_HEAD_MAIN = KERNEL_WATCH + """
-import sys
-from ray.scripts.scripts import main
-sys.argv[0] = "ray"
-main()
-"""
 
 # --------------------------------------------------------------------------------------
 # Worker side (in each rank's actor process)
@@ -150,19 +142,22 @@ _Rank: Any = ray.remote(max_restarts=0, max_task_retries=0,  # type: ignore[call
 # Kernel side
 # --------------------------------------------------------------------------------------
 
+_ONE_NODE = patches.Patch("ray._private.ray_constants.ENABLE_RAY_CLUSTER", "while ray.init runs: the embedded "
+                         "cluster's ports stay on loopback", "engine ray")
+
+
 @contextlib.contextmanager
 def _one_node():
     """Ray takes 127.0.0.1 for the machine's network address unless it runs a cluster of one
     node (its setting for laptops): then every port of the embedded cluster, and the
     kernel's, stays on loopback. The head gets it as RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0;
     the kernel, whose Ray may have read the environment already, for its ray.init."""
-    constants = ray._private.ray_constants
-    before = constants.ENABLE_RAY_CLUSTER
-    constants.ENABLE_RAY_CLUSTER = False
-    try:
+    with _ONE_NODE.during(lambda _: False):
         yield
-    finally:
-        constants.ENABLE_RAY_CLUSTER = before
+
+
+_NO_ERROR_LISTENER = patches.Patch("ray._private.worker.listen_error_messages", "while ray.init runs: no thread "
+                                  "printing the cluster's errors into whatever cell runs", "engine ray")
 
 
 @contextlib.contextmanager
@@ -172,13 +167,10 @@ def _as_kernel_driver():
     prints the cluster's error messages is not started: it prints into whatever cell runs
     then, and what it says of our ranks (a worker died) the session says itself."""
     before = signal.getsignal(signal.SIGTERM)
-    worker_module = ray._private.worker
-    listener = worker_module.listen_error_messages
-    worker_module.listen_error_messages = lambda *args: None
     try:
-        yield
+        with _NO_ERROR_LISTENER.during(lambda _: lambda *args: None):
+            yield
     finally:
-        worker_module.listen_error_messages = listener
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, before)
 
@@ -295,6 +287,7 @@ class RayBackend(Backend):
         self._group: Any = None  # the placement group
         self._head: subprocess.Popen | None = None
         self._scratch: str | None = None
+        self._watch: processes.Watch | None = None  # the embedded cluster's (see processes)
         self._client_port = 0
         self._client_mode = False  # through Ray Client (ray://): buffers travel in band
         self._environ: dict[str, str | None] = {}  # the kernel's variables before ours
@@ -339,17 +332,21 @@ class RayBackend(Backend):
         # Ray's socket paths live under its temp directory and must stay under 108 bytes.
         base = tempfile.gettempdir() if len(tempfile.gettempdir()) < 20 else "/tmp"
         self._scratch = tempfile.mkdtemp(prefix="jsray-", dir=base)  # owner-only
+        # If the kernel dies, its watcher ends `ray start` and every process of Ray's, and
+        # removes this directory (the token, Ray's logs and sockets, spilled objects).
+        self._watch = processes.watch()
+        self._watch.add_path(self._scratch)
         fd = os.open(self._token_file(), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
         environ = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self._token_file(),
                        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                        # As Dask's memory_limit=0: no monitor killing a rank that trains a big model.
-                       RAY_memory_monitor_refresh_ms="0", **kernel_watch_env(self._scratch))
+                       RAY_memory_monitor_refresh_ms="0")
         environ.pop("RAY_AUTH_TOKEN", None)  # it would win over our token file
         flags = {"num_cpus": os.cpu_count() or 1, **self.cluster_options}
         self._client_port = rendezvous.free_port(rendezvous.LOOPBACK)
-        command = [sys.executable, "-c", _HEAD_MAIN, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        command = [*programs.command("ray_head"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                    "--port=0", f"--ray-client-server-port={self._client_port}",
                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={os.path.join(self._scratch, 'r')}",
                    *(f"--{key.replace('_', '-')}={value}" for key, value in flags.items())]
@@ -357,6 +354,7 @@ class RayBackend(Backend):
         with open(log_path, "w") as out:
             self._head = subprocess.Popen(command, env=environ, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
+        self._watch.add_processes([self._head.pid])
         # Ray opens its own temp directory to everyone (0777): ours around it is owner-only.
         found = os.path.join(self._scratch, "r", "ray_current_cluster")
         while not (os.path.exists(found) and open(found).read().strip()):
@@ -435,7 +433,7 @@ class RayBackend(Backend):
             self._reader.join(timeout=2 * TAKE_WAIT_S + 1)
             self._reader = None
         # Ray's processes, found while the head still holds them (they are orphans once it exits).
-        processes = _tree(self._head.pid) if self._head is not None else []
+        tree = _tree(self._head.pid) if self._head is not None else []
         actors, group, self._actors, self._group, self._pids, self._jobs = self._actors, self._group, [], None, [], {}
         head, self._head = self._head, None
         try:
@@ -452,13 +450,15 @@ class RayBackend(Backend):
         finally:  # whatever Ray said, nothing of the embedded cluster stays
             self._environ = {}
             if head is not None:
-                head.terminate()  # ray start --block stops what it started
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    head.wait(20)
-                end_processes(processes, timeout=5)  # by pid, what did not stop
+                processes.end([head.pid], grace=20)  # ray start --block stops what it started
+                head.poll()
+                processes.end(tree, grace=5)  # by pid, what did not stop
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
 
     @property
     def running(self) -> bool:
@@ -478,7 +478,7 @@ class RayBackend(Backend):
 
     def local_processes(self) -> list:
         """The ranks' processes (the embedded cluster only). Not the head: it ends itself and
-        Ray's daemons when the kernel dies (KERNEL_WATCH), and a SIGTERM from a rank would
+        Ray's daemons when the kernel dies (the kernel's watcher), and a SIGTERM from a rank would
         make `ray start` exit and leave the daemons behind."""
         if not self.owns_cluster:
             return []
@@ -507,7 +507,7 @@ class RayBackend(Backend):
         if not self._actors:
             return []
         if self.owns_cluster:  # our processes: no need to ask Ray
-            return [r for r, pid in enumerate(self._pids) if not _running(pid)]
+            return [r for r, pid in enumerate(self._pids) if not processes.alive(pid)]
         pings = [actor.pid.remote() for actor in self._actors]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=2)
         dead = []
@@ -619,13 +619,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _tree(pid: int) -> list:
