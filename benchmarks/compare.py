@@ -42,7 +42,7 @@ to the baseline. Not a test: nothing asserts on time. Sections (`--sections`, de
             kernel's CPU time for the 100 MiB changed-in-place cell at 1, 2 and 4 workers: the
             kernel sends a value once, so it should not grow with the workers. Then the
             largest model's cells again in a kernel with the write watch off
-            (JUPYTER_SCALE_WRITE_WATCH=0: every tensor hashed whole), and each cell's
+            (ScaleSession.write_watch = False: every tensor hashed whole), and each cell's
             pull-back time (RunRecord.pullback_seconds) with it on and off.
 - scaling:  cold start and steps/s of torchrun and `%%distribute` automatic mode at 1, 2 and
             4 ranks (batch 64 per rank: the global batch grows with the ranks).
@@ -745,13 +745,14 @@ def section_shipping(args) -> dict:
                 rows, [0, 3, 3, 2, 3, 1, 0, 3, 3, 3, 2, 2, 2])
     # The same cells for the largest model with the write watch off (every tensor hashed
     # whole, as before it), in a kernel of their own.
-    _, text = run_cells(shipping_cells([max(sizes)], args.repeat, kernel_cpu=False),
-                        env={**os.environ, "JUPYTER_SCALE_WRITE_WATCH": "0"})
+    unwatched_cells = shipping_cells([max(sizes)], args.repeat, kernel_cpu=False)
+    unwatched_cells.insert(1, "%config ScaleSession.write_watch = False")  # after %load_ext, before the cluster
+    _, text = run_cells(unwatched_cells)
     unwatched = next(r["size"] for r in bench_records(text) if "size" in r)
     watched = next(m for m in medians if m["mib"] == max(sizes))
     watch_rows = []
     for label, size_rounds in (("on", [r for r in per_size if r["mib"] == max(sizes)][0]["rounds"]),
-                               ("off (JUPYTER_SCALE_WRITE_WATCH=0)", unwatched["rounds"])):
+                               ("off (write_watch = False)", unwatched["rounds"])):
         watch_rows.append([label, *(median(r[k]["wall"] for r in size_rounds) for k in ("first", "changed", "unchanged")),
                            1e3 * median(r["unchanged"]["pullback"] for r in size_rounds),
                            1e3 * median(r["changed"]["pullback"] for r in size_rounds)])

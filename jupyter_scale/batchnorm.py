@@ -62,6 +62,7 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         factor = 0.0
         if self.track_running_stats:
+            assert self.num_batches_tracked is not None  # _NormBase has the running buffers when it tracks
             self.num_batches_tracked.add_(1)  # as _BatchNorm: before the statistics
             factor = 1.0 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
 
@@ -95,6 +96,7 @@ class SyncBatchNorm(_BatchNorm):
             out = out + self.bias.to(input.dtype).view(shape)
 
         if self.track_running_stats:
+            assert self.running_mean is not None and self.running_var is not None  # tracked: see above
             with torch.no_grad():  # running_var is unbiased over the global count, as BatchNorm's
                 self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
                 unbiased = var * (count / (count - 1))

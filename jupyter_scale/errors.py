@@ -177,7 +177,7 @@ class CellTimeout(RemoteError, TimeoutError):
     def _headline(self) -> str:
         start = f"still running after --timeout {self.timeout:g} s"
         waiting = [f for f in self.failures if f.collective is not None]
-        where = ", ".join(sorted({f.collective for f in waiting}))
+        where = ", ".join(sorted({f.collective for f in waiting if f.collective is not None}))
         silent = self.silent_ranks
         if self.failures[0].lost:
             return f"{start}: the worker of rank {self.failures[0].rank} died ({self.failures[0].message})"

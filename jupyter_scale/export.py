@@ -39,8 +39,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .cellnames import free_names
 from .errors import DistributeError
-from .shipping import free_names
 
 SEEDING_CALLS = {"manual_seed", "seed", "set_seed", "seed_everything", "manual_seed_all"}
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from . import channel, rendezvous, sharedmem, worker
-from .backends import Backend
+from . import rendezvous, sharedmem, worker
+from .backends import Backend, channel
 from .errors import ClusterError, WorkerLost
 from .metrics import EventQueue
 from .protocol import Layout

@@ -27,10 +27,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import zmq
+
+if TYPE_CHECKING:
+    import psutil
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,8 @@ def _scalar(name: str, value: Any) -> float:
         except RuntimeError:
             raise ValueError(f"report({name}=...) takes a scalar; got a tensor of shape {tuple(value.shape)}") from None
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
-        return float(value)
+        # numbers.Number declares no __float__; the numbers reported (int, float, numpy's) have one.
+        return float(value)  # type: ignore[arg-type]
     if isinstance(value, bool):
         return float(value)
     raise TypeError(f"report({name}=...) takes numbers or one-element tensors, not {type(value).__name__}")
@@ -121,7 +125,8 @@ class _ZmqTransport:
     """Batches to the kernel's EventStream over a ZeroMQ PUSH socket (never blocks)."""
 
     def __init__(self, address: str):
-        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        # cast: pyzmq types Context.instance() as Context[Never], and so its sockets.
+        self._socket = cast("zmq.Socket[bytes]", zmq.Context.instance().socket(zmq.PUSH))
         self._socket.setsockopt(zmq.SNDHWM, 10_000)  # batches, not events
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._socket.connect(address)
@@ -173,7 +178,7 @@ class EventSink:
         self._send_lock = threading.Lock()  # one sender at a time: the thread, or a flush
         self._closed = False
         self._stats_at: float | None = None
-        self._process = None
+        self._process: psutil.Process | None = None
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-events", daemon=True)
         self._thread.start()
 
@@ -340,6 +345,7 @@ class EventQueue:
                 self.rejected[reason] += 1
                 log.debug("dropped an event message: %s", reason)
                 return
+            assert batch is not None  # _open gives a batch exactly when it gives no reason
             arrived = time.time()
             self.latencies.extend(arrived - e["time"] for e in batch["events"])
             self._events.extend(batch["events"])
@@ -380,7 +386,7 @@ class EventStream(EventQueue):
 
     def __init__(self, host: str = "127.0.0.1"):
         super().__init__()
-        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket = cast("zmq.Socket[bytes]", zmq.Context.instance().socket(zmq.PULL))  # as _ZmqTransport's
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         port = self._socket.bind_to_random_port(f"tcp://{host}")

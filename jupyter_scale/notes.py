@@ -129,5 +129,6 @@ def _digest(grads: list[torch.Tensor | None]) -> int | None:
         for part in (flat,) if flat.numel() <= 2 * edge else (flat[:edge], flat[-edge:]):
             part = part.cpu().contiguous()
             nonzero = nonzero or bool(part.any())
-            h.update(part.view(torch.uint8).numpy() if part.numel() else b"")
+            # `.data`: the array's buffer, not copied (numpy types ndarray as a buffer only from Python 3.12).
+            h.update(part.view(torch.uint8).numpy().data if part.numel() else b"")
     return h.intdigest() if nonzero else None

@@ -7,7 +7,19 @@ builds them as these types and the worker reads them as such.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TypedDict
+
+
+@dataclass
+class Output:
+    """A piece of what a worker printed or displayed while running."""
+
+    rank: int
+    stream: str  # "stdout", "stderr" or "display"
+    text: str = ""
+    data: dict = field(default_factory=dict)  # mimebundle, for "display"
+    metadata: dict = field(default_factory=dict)
 
 
 class Described(TypedDict):
@@ -76,6 +88,7 @@ class CellRequest(_CellRequired, total=False):
     seed: int
     framework: str  # whose process group the cell uses (frameworks.FRAMEWORKS)
     overlap: bool  # automatic mode may average gradients during backward (see overlap.py)
+    write_watch: bool  # hash again only the tensor pages written since (see writewatch)
     shared_frames: dict | None  # where the big frames are in the kernel's shared memory
 
 

@@ -19,7 +19,7 @@ from .backends import Backend, Job
 from .export import human_size
 
 if TYPE_CHECKING:
-    from .channel import CellChannel
+    from .backends.channel import CellChannel
     from .protocol import CellReply
     from .records import RunRecord
 

@@ -6,6 +6,7 @@ Runs inside a worker, on the namespace and the receiver of its cells.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ class Return:
     names. A module whose structure changed (its mode, a frozen parameter) travels whole.
     Each entry of `pack`'s list is (names, kind, frame count)."""
 
-    def __init__(self, request: dict, snapshot: statesync.Snapshot | None, rebound: list[str], namespace: dict,
+    def __init__(self, request: Mapping[str, Any], snapshot: statesync.Snapshot | None, rebound: list[str], namespace: dict,
                  receiver: shipping.Receiver) -> None:
         self.request, self.snapshot, self.ns, self.receiver = request, snapshot, namespace, receiver
         self.pull = list(request.get("pull", []))

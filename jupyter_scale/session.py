@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,13 @@ from traitlets import observe
 
 from . import (
     cellexport,
+    cellnames,
     cellstart,
     export,
     frameworks,
     jobfiles,
     metrics,
+    patches,
     pullback,
     rendezvous,
     sharedmem,
@@ -35,10 +37,11 @@ from . import (
     sinks,
     statesync,
     worker,
+    writewatch,
 )
 from . import group as groups
 from .backends import Backend, Job
-from .channel import CellChannel
+from .backends.channel import CellChannel
 from .cluster import Cluster
 from .display import RunView, StatusLine, wants_widget
 from .errors import CellTimeout, ClusterError, DistributeError
@@ -77,6 +80,7 @@ class ScaleSession(SessionSettings):
         # cluster_changed().
         self.observers: list[Any] = []
         self.cell_history = cellexport.CellHistory(shell)  # what export slices
+        writewatch.enable(self.write_watch)
 
     def record_cells(self) -> None:
         """From now on, note every cell the shell runs (what %scale export slices)."""
@@ -197,11 +201,13 @@ class ScaleSession(SessionSettings):
 
     def stop(self) -> None:
         """Stop the embedded cluster (every process it started), or disconnect from a connected one;
-        the worker template goes too (restarts keep it)."""
+        the worker template goes too (restarts keep it), and what the kernel patched for the
+        cluster (see patches: how the notebook's library objects are built stays recorded)."""
         try:
             self._shutdown()
         finally:
             self.cluster.forget()
+            patches.remove_all(keep=(patches.LIBRARIES,))
         self._notify("cluster_changed")
 
     def _shutdown(self) -> None:
@@ -433,7 +439,7 @@ class ScaleSession(SessionSettings):
                  shipment: shipping.Shipment, *, pull: list[str], manual: bool, shard: bool | dict,
                  keep_sharded: bool, seed: int) -> CellRequest:
         """What every rank gets to run the cell (see protocol.CellRequest)."""
-        stores, deletes = shipping.stored_names(code)
+        stores, deletes = cellnames.stored_names(code)
         # The notebook's models the cell uses, also through the notebook functions it calls.
         modules = [n for n in names if frameworks.is_model(self.namespace[n])]
         framework = record.framework
@@ -475,6 +481,7 @@ class ScaleSession(SessionSettings):
             "seed": seed,
             "framework": framework,
             "overlap": self.average_during_backward,
+            "write_watch": self.write_watch,
         }
 
     def _wait(self, record: RunRecord, view: RunView, timeout: float | None, interrupts: Interrupts,
@@ -508,6 +515,10 @@ class ScaleSession(SessionSettings):
             cell.forget_answers()  # the session keeps the run's heartbeats, not what it sent back
             self._done_with_frames(answered)
 
+
+    @observe("write_watch")
+    def _write_watch_changed(self, change: Any) -> None:
+        writewatch.enable(change["new"])  # the kernel's; the workers' with the next cell
 
     @observe("export_keep_start")
     def _keep_start_changed(self, change: Any) -> None:
@@ -690,7 +701,7 @@ class ScaleSession(SessionSettings):
     @staticmethod
     def _free_names(code: str) -> list[str]:
         try:
-            return shipping.free_names(code)
+            return cellnames.free_names(code)
         except SyntaxError as exc:
             raise DistributeError(f"the cell is not valid Python: {exc}") from None
 
@@ -729,13 +740,18 @@ class ScaleSession(SessionSettings):
         self._stop_abandoned(job)
         self._group_ready, self._resync = False, True
 
-    def gather(self, name: str) -> list:
-        """Every rank's value of worker variable `name`, in rank order."""
-        job = self._calls().submit(worker.gather_value, name)
+    def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> list:
+        """`fn(*args)` on each rank of `ranks` (default: every rank), outside a cell; their
+        answers in rank order, within call_timeout. `fn` must be importable on the workers."""
+        job = self._calls().submit(fn, *args, ranks=ranks)
         try:
-            answers = job.wait(self.call_timeout)
+            return job.wait(self.call_timeout)
         finally:
             job.release()
+
+    def gather(self, name: str) -> list:
+        """Every rank's value of worker variable `name`, in rank order."""
+        answers = self.call(worker.gather_value, name)
         missing = [a[0]["rank"] for a in answers if a[0]["missing"]]
         if missing:
             raise KeyError(f"{name!r} is not defined on ranks {missing}")

@@ -120,6 +120,12 @@ class SessionSettings(LoggingConfigurable):
                                   "the values as they are then (the trained weights) and says so.")
 
 
+    write_watch = Bool(True, config=True,
+                       help="Hash again, before and after each cell, only the pieces of tensors whose memory "
+                            "pages were written since they were last hashed (Linux userfaultfd write "
+                            "protection; see README, What %%distribute does). False hashes every tensor whole "
+                            "every time: slower, for systems where the protection misbehaves.")
+
     @default("backend_name")
     def _default_backend_name(self) -> str:
         return os.environ.get("JUPYTER_SCALE_BACKEND", "").strip() or "ipyparallel"

@@ -83,7 +83,7 @@ def digest(array: np.ndarray) -> bytes:
     """The digest of a flat uint8 array's bytes: their xxh3-128, or past one CHUNK, the
     xxh3-128 of their pieces' (see `_pieces`)."""
     if array.nbytes <= CHUNK:
-        return xxhash.xxh3_128(memoryview(array)).digest()
+        return xxhash.xxh3_128(array.data).digest()
     starts = _pieces(array.nbytes)
     return _combine(piece_digests(array, starts, range(len(starts))))
 
@@ -95,7 +95,7 @@ def _pieces(length: int) -> list[int]:
 
 
 def piece_digests(array: np.ndarray, starts: list[int], indexes: Sequence[int]) -> list[bytes]:
-    view, ends = memoryview(array), [*starts[1:], array.nbytes]
+    view, ends = array.data, [*starts[1:], array.nbytes]
     return [xxhash.xxh3_128(view[starts[i]: ends[i]]).digest() for i in indexes]
 
 
@@ -151,7 +151,7 @@ class _Pages:
         """The regions of [start, end) written since this last asked (or since they were
         registered); every page in it is protected again when this returns. Raises where
         a page of it is not registered."""
-        written = []
+        written: list[tuple[int, int]] = []
         while start < end:
             arg = bytearray(struct.pack(
                 "12Q", 96, _PM_SCAN_WP_MATCHING | _PM_SCAN_CHECK_WPASYNC, start, end, 0,
@@ -217,7 +217,7 @@ class WriteWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pages: _Pages | None = None
-        if os.environ.get("JUPYTER_SCALE_WRITE_WATCH", "1") != "0":  # the way to turn it off
+        if _enabled:
             try:
                 self._pages = _Pages()
             except OSError:
@@ -427,6 +427,19 @@ def _pieces_in(regions: list[tuple[int, int]], address: int, starts: list[int]) 
 
 _watch: WriteWatch | None = None
 _watch_made = threading.Lock()
+_enabled = True  # ScaleSession.write_watch, in the kernel and (with each cell) on the workers
+
+
+def enable(on: bool) -> None:
+    """Turn the watch on or off in this process (off: every tensor is hashed whole)."""
+    global _enabled, _watch
+    if on == _enabled:
+        return
+    with _watch_made:
+        _enabled = on
+        if _watch is not None:  # made under the other setting: the next use makes one anew
+            _watch.close()
+            _watch = None
 
 
 def watch() -> WriteWatch:

@@ -8,7 +8,8 @@ a call that answers before its points are sent.
 import threading
 import time
 
-from jupyter_scale import channel, metrics
+from jupyter_scale import metrics
+from jupyter_scale.backends import channel
 from jupyter_scale.display import RunView
 from jupyter_scale.records import RunRecord
 from jupyter_scale.run import CellRun, WaitLimits

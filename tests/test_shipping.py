@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_scale import shipping
+from jupyter_scale import cellnames, shipping
 from jupyter_scale.errors import ShippingError
 
 
@@ -41,7 +41,7 @@ from jupyter_scale.errors import ShippingError
     ],
 )
 def test_free_names(source, expected):
-    assert shipping.free_names(source) == expected
+    assert cellnames.free_names(source) == expected
 
 
 class Link:
@@ -472,7 +472,7 @@ def test_a_name_bound_to_an_object_the_workers_hold_under_another_name_stays_tha
 
 
 def test_names_a_cell_binds_and_surely_deletes():
-    stores, deletes = shipping.stored_names("a = 1\nif a:\n    b = 2\n    del c\nfor i in range(2):\n    pass\ndel d\n")
+    stores, deletes = cellnames.stored_names("a = 1\nif a:\n    b = 2\n    del c\nfor i in range(2):\n    pass\ndel d\n")
     assert stores == ["a", "b", "i"] and deletes == ["d"]
 
 

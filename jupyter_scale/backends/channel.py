@@ -40,9 +40,9 @@ from typing import Any
 import cloudpickle
 import zmq
 
-from . import capture, metrics
-from .backends.base import Job, split_frames
-from .errors import WorkerCallFailed, WorkerLost
+from .. import capture, metrics, processes, worker
+from ..errors import WorkerCallFailed, WorkerLost
+from .base import Job, split_frames
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,13 @@ def _private_directory() -> str:
     raise OSError(f"no temporary directory short enough for a socket path (under {zmq.IPC_PATH_MAX_LEN} bytes)")
 
 
+def _remove(directory: str, watch: processes.Watch) -> None:
+    shutil.rmtree(directory, True)
+    watch.close()
+
+
 def _socket(kind: int) -> zmq.Socket:
-    socket = zmq.Context.instance().socket(kind)
+    socket: zmq.Socket = zmq.Context.instance().socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     # No high-water mark: a peer that is not reading must not make a sender block (a worker
     # that blocks printing would hang its cell) or drop a reply. What waits is at most a
@@ -98,8 +103,11 @@ class CellChannel:
         self._gone_ranks = gone_ranks
         self._events = events
         self.directory = _private_directory()
-        # Removed at close, or when the kernel exits without closing it.
-        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        # Removed at close, or when the kernel exits without closing it, or by the kernel's
+        # watcher when the kernel dies (SIGKILL).
+        self._watch = processes.watch()
+        self._watch.add_path(self.directory)
+        self._remove = weakref.finalize(self, _remove, self.directory, self._watch)
         self._calls = _socket(zmq.ROUTER)
         self._out = _socket(zmq.PULL)
         try:
@@ -304,7 +312,7 @@ class _WorkerEnd:
             socket.setsockopt(zmq.RECONNECT_IVL, -1)
             socket.connect(f"ipc://{directory}/{name}")
         self._out_lock = threading.Lock()
-        self._stream = None
+        self._stream: Any = None  # a ZMQStream, when served on an event loop
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -424,3 +432,6 @@ def close_worker_end() -> None:
     end, _worker_end = _worker_end, None
     if end is not None:
         end.close()
+
+
+worker.when_reset(close_worker_end)  # the kernel that opened it is done with this worker

@@ -49,7 +49,8 @@ def choose(code: str, namespace: dict, free: list[str], named: str | None = None
         if named not in FRAMEWORKS:
             raise FrameworkError(f"unknown framework {named!r} (one of {', '.join(FRAMEWORKS)})")
         return named
-    used = _imported(code) | {_framework_of(namespace[n]) for n in free if n in namespace} - {None} | set(held)
+    frameworks = (_framework_of(namespace[n]) for n in free if n in namespace)
+    used = _imported(code) | {f for f in frameworks if f is not None} | set(held)
     if "horovod" in used:
         return "horovod"
     others = sorted(used - {"torch"})

@@ -39,10 +39,10 @@ class Dashboard(anywidget.AnyWidget):
     state = traitlets.Unicode("starting").tag(sync=True)  # starting running finished failed interrupted
     message = traitlets.Unicode("").tag(sync=True)
     metric = traitlets.Unicode("").tag(sync=True)  # the one charted first (the first one reported)
-    metrics = traitlets.List().tag(sync=True)  # every reported name, in the order first seen
+    metrics: traitlets.List[str] = traitlets.List().tag(sync=True)  # every reported name, in the order first seen
     series = traitlets.Dict().tag(sync=True)  # {name: {"0": [[step, value], ...], ..., "mean": [...]}}
     progress = traitlets.Dict().tag(sync=True)  # step, total, epoch, rate, eta, elapsed
-    workers = traitlets.List().tag(sync=True)  # one row per rank
+    workers: traitlets.List[dict] = traitlets.List().tag(sync=True)  # one row per rank
     lost = traitlets.Int(0).tag(sync=True)
     colors = traitlets.List(PALETTE).tag(sync=True)
 
