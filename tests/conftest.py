@@ -1,4 +1,6 @@
+import multiprocessing.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,6 +75,9 @@ def wait_gone(processes, timeout=15.0):
 
 
 ENGINES = ["ipyparallel", "dask", "ray"]
+# The engine a test module's kernel runs on when the behaviour does not depend on the engine: the
+# default engine. Modules and tests whose subject is an engine's own run on ENGINES (see below).
+DEFAULT_ENGINES = ["ipyparallel"]
 # The engines whose clusters the tests start across hosts and on Slurm (a Ray cluster there is
 # started with Ray's own tools, then connected to).
 CLUSTER_ENGINES = ["ipyparallel", "dask"]
@@ -109,7 +114,14 @@ def kernel_fixture(engines):
     return kernel
 
 
-kernel = kernel_fixture(ENGINES)
+def on_engines(engines):
+    """A mark for one test of a module whose `kernel` (or a fixture built on it) runs on fewer
+    engines: this test runs on `engines` (one module-scoped kernel per engine, shared with the
+    module's other tests on that engine). `@on_engines(ENGINES)` for a behaviour of the engine's own."""
+    return pytest.mark.parametrize("kernel", engines, indirect=True)
+
+
+kernel = kernel_fixture(DEFAULT_ENGINES)
 
 
 @pytest.fixture
@@ -164,3 +176,181 @@ def ray_cli_cluster():
         import shutil
 
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# -- The `cluster` tier ---------------------------------------------------------------------
+# `pytest -m "not cluster"` is the fast tier: tests that run in this process (and, at most,
+# short-lived helper processes such as ruff, mypy, or a `python -c` that ends). A test that
+# starts a real cluster, a Jupyter kernel, a browser, Slurm, MPI, the hosts of tests/hosts.py,
+# or a notebook through nbval carries the `cluster` mark: by the fixtures it uses (below), by
+# `pytestmark = pytest.mark.cluster` in modules that start such things inline, and for every
+# nbval cell. An unmarked test that starts one anyway, or leaves a child process of pytest
+# behind, fails (pytest_runtest_setup/pytest_runtest_teardown below).
+
+# Fixtures that start (or hold) a kernel, a cluster, a browser, Slurm or network-namespace hosts.
+CLUSTER_FIXTURES = frozenset({
+    "kernel", "fresh_kernel", "ray_cli_cluster",   # here
+    "engine",                                       # test_backend_protocol: a real backend per engine
+    "engine_kernel",                                # test_security
+    "dask_cli_cluster", "dask_tls_cluster",        # test_connect
+    "local", "dist",                                # test_differential
+    "lab", "notebook7",                             # test_browser: Jupyter server and Chromium
+    "sidebar",                                      # test_sidebar
+    "kernel_for_usage",                             # test_magics
+    "session", "dask_session",                      # test_forkserver: real ipyparallel / Dask sessions
+    "two", "three", "multihost",                    # tests/hosts.py's hosts (test_hosts, test_multihost)
+    "cluster",                                      # tests/slurm.py's Slurm (test_slurm, test_slurm_cluster)
+})
+
+
+def _uses_cluster_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for name in item.fixturenames:
+        if name not in CLUSTER_FIXTURES:
+            continue
+        defs = info.name2fixturedefs.get(name, ())
+        # A real fixture of that name, not an argument of @pytest.mark.parametrize (`engine` is
+        # both in the tests; a parametrize argument has a pseudo fixture with no module of its own).
+        if any(getattr(d.func, "__module__", "") not in ("_pytest.fixtures", "_pytest.python") for d in defs):
+            return True
+    return False
+
+
+def _is_notebook_cell(item) -> bool:
+    return type(item).__name__ == "IPyNbCell" or "examples" in Path(str(item.path)).parts
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("cluster") is None and (_is_notebook_cell(item) or _uses_cluster_fixture(item)):
+            item.add_marker(pytest.mark.cluster)
+
+
+# What an unmarked test may not start at all, even if it ends it: a kernel, an engine or its
+# controller/scheduler/head, a Jupyter server, a browser, Slurm, MPI, the hosts' namespaces, or
+# multiprocessing's fork server (Dask's workers). Judged on every process started through
+# subprocess.Popen (asyncio's and jupyter_client's starts included) or by multiprocessing:
+# a program by its name, a Python by the module or script it runs, or the code it is given.
+_FORBIDDEN_PROGRAM = re.compile(
+    r"ipengine|ipcontroller|ipcluster|jupyter(?![_-]scale).*|dask(?:-\w+)?|ray|raylet|gcs_server|slurm\w*|sbatch|srun"
+    r"|salloc|munged|mpiexec|mpirun|orterun|prterun|orted|chrom(?:e|ium)\S*|headless_shell|nsenter")
+_FORBIDDEN_PYTHON = re.compile(
+    r"ipykernel|ipyparallel\.(?:engine|controller|cluster|apps)|distributed\.cli|ray\.scripts|jupyter(?:lab|_server|_client)"
+    r"|nbconvert|nbclient|multiprocessing\.forkserver import main|playwright"
+    r"|jupyter_scale/programs/(?:ipp_engine|ipp_controller|ray_head|worker_template)\.py")
+
+
+def _forbidden(args) -> bool:
+    import shlex
+
+    if isinstance(args, (list, tuple)):
+        argv = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
+    else:
+        try:
+            argv = shlex.split(os.fsdecode(args) if isinstance(args, bytes) else str(args))
+        except ValueError:
+            argv = str(args).split()
+    if not argv or "--version" in argv:
+        return False
+    name = os.path.basename(argv[0])
+    if name == "ip" and "netns" in argv:
+        return True
+    if not re.match(r"python[\d.]*$", name):
+        return bool(_FORBIDDEN_PROGRAM.fullmatch(name))
+    rest = [a for a in argv[1:] if a not in ("-u", "-P", "-E", "-I", "-s", "-S", "-B")]
+    for flag in ("-m", "-c"):
+        if flag in rest and rest.index(flag) + 1 < len(rest):
+            return bool(_FORBIDDEN_PYTHON.search(rest[rest.index(flag) + 1]))
+    script = next((a for a in rest if not a.startswith("-")), "")
+    return bool(_FORBIDDEN_PYTHON.search(script) or _FORBIDDEN_PROGRAM.fullmatch(os.path.basename(script)))
+
+
+_started: list[str] | None = None  # forbidden command lines started during the unmarked test now running
+
+
+def _record(args) -> None:
+    if _started is not None:
+        try:
+            if _forbidden(args):
+                _started.append(" ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args))
+        except Exception:  # never break a start for the record's sake
+            pass
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _recording_popen_init(self, args, *a, **kw):
+    _record(args)
+    _popen_init(self, args, *a, **kw)
+
+
+subprocess.Popen.__init__ = _recording_popen_init
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def _recording_spawnv_passfds(path, args, passfds):
+    _record(args)
+    return _spawnv_passfds(path, args, passfds)
+
+
+multiprocessing.util.spawnv_passfds = _recording_spawnv_passfds
+
+
+def _refusing_kernel(*args, **kwargs):
+    raise AssertionError("this test starts a real Jupyter kernel (tests/kernel.py's Kernel): "
+                         "mark it `cluster` (pytestmark, or a fixture in conftest.CLUSTER_FIXTURES)")
+
+
+def _long_lived_helper(p: psutil.Process) -> bool:
+    """Python's own resource tracker (started once on first use of shared memory) and the
+    kernel's watcher (jupyter_scale/processes.py, started once a process is registered): each
+    lives as long as pytest."""
+    try:
+        return any("multiprocessing.resource_tracker" in part or part.endswith("jupyter_scale/processes.py")
+                   for part in p.cmdline())
+    except psutil.Error:
+        return True  # gone meanwhile
+
+
+def _children() -> set[psutil.Process]:
+    return set(psutil.Process().children(recursive=False))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    global _started
+    if item.get_closest_marker("cluster") is None:
+        item._children_before = _children()
+        item._kernel_init = Kernel.__init__
+        Kernel.__init__ = _refusing_kernel
+        _started = []
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    global _started
+    yield
+    if not hasattr(item, "_children_before"):
+        return
+    started, _started = _started or [], None
+    Kernel.__init__ = item._kernel_init
+    new = [p for p in _children() - item._children_before if not _long_lived_helper(p)]
+    left = wait_gone(new, timeout=10) if new else []
+    left = [p for p in left if not _long_lived_helper(p)]
+    problems = []
+    if started:
+        problems.append("started a kernel, engine or cluster program: " + "; ".join(c[:200] for c in started))
+    if left:
+        for p in left:  # ours: started by this test; clean up by pid before failing
+            try:
+                problems.append(f"left a child process behind: pid {p.pid} {' '.join(p.cmdline())[:200]}")
+                p.kill()
+            except psutil.Error:
+                pass
+    if problems:
+        pytest.fail(f"{item.nodeid} is not marked `cluster` but it " + "\n".join(problems)
+                    + "\n(mark it `cluster`, or make it stay in this process)", pytrace=False)

@@ -16,7 +16,9 @@ import pytest
 from conftest import ENGINES, wait_gone
 from jupyter_scale import worker
 from jupyter_scale.backends import WorkerCallFailed, WorkerLost, create_backend
-from jupyter_scale.channel import CellChannel
+from jupyter_scale.backends.channel import CellChannel
+
+pytestmark = pytest.mark.cluster
 
 
 class OverTheChannel:

@@ -2,7 +2,7 @@
 
 The unit tests run a real 2-rank gloo group (two spawned processes) and compare with one
 nn.BatchNorm in one process over the whole batch; the kernel tests run the README loop
-with the converted model on both engines.
+with the converted model on the default engine (the layer runs in the ranks' own code).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def test_torch_sync_batchnorm_refuses_cpu():
 
 
 # --------------------------------------------------------------------------------------
-# Through a real kernel, on both engines: the README loop with the converted model
+# Through a real kernel, on the default engine: the README loop with the converted model
 # --------------------------------------------------------------------------------------
 
 NOTEBOOK = """

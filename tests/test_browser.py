@@ -19,6 +19,8 @@ import pytest
 from conftest import wait_gone
 from jupyter_scale.widgets import PALETTE
 
+pytestmark = pytest.mark.cluster
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = Path(__file__).parent / "screenshots"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -13,6 +13,10 @@ from stranger import require_stranger, run_as_stranger
 from conftest import SETUP, _stop_and_check, kernel_fixture
 from kernel import Kernel
 
+pytestmark = pytest.mark.cluster
+
+# The channel is an alternative to the engine's own path, for the two engines that have one
+# (tests/test_backend_protocol.py runs the protocol over it): both engines.
 kernel = kernel_fixture(["ipyparallel", "dask"])
 
 # Counts the calls the session makes through the engine (the cluster's start excepted).

@@ -18,6 +18,8 @@ import pytest
 from conftest import SETUP, wait_gone
 from kernel import Kernel
 
+pytestmark = pytest.mark.cluster
+
 BIN = Path(sys.executable).parent
 # Every port of a `dask` CLI process on loopback: its HTTP server (health, metrics) listens
 # even with --no-dashboard, on 0.0.0.0 (the scheduler's on the fixed 8787) unless told.

@@ -5,7 +5,7 @@ import threading
 import psutil
 import pytest
 
-from conftest import wait_gone
+from conftest import ENGINES, on_engines, wait_gone
 
 MODEL = """
 class Net(nn.Module):
@@ -46,6 +46,7 @@ def trained(kernel):
     return result
 
 
+@on_engines(ENGINES)
 def test_notebook_model_gets_rank0_weights_and_ranks_are_bitwise_equal(kernel, trained):
     kernel.ok("""
 ranks_weights = jupyter_scale.get_session().gather("weights")
@@ -58,6 +59,7 @@ assert type(model).__name__ == "Net"   # the notebook object, updated in place
 """)
 
 
+@on_engines(ENGINES)
 def test_each_rank_trained_on_its_own_shard(kernel, trained):
     # 1024 samples / 2 ranks / batch 32 = 16 steps per epoch on each rank.
     assert kernel.value("jupyter_scale.get_session().gather('steps_seen')") == [32, 32]
@@ -65,6 +67,7 @@ def test_each_rank_trained_on_its_own_shard(kernel, trained):
     assert counts == [32, 32]  # every report() of both ranks is in the history
 
 
+@on_engines(ENGINES)
 def test_second_cell_sees_worker_variables(kernel, trained):
     out = kernel.ok("""%%distribute
 print("still here", rank, type(opt).__name__, steps_seen, float(loss) > 0)
@@ -90,12 +93,14 @@ assert lin_opt.param_groups[0]["params"][0] is lin.weight
 """)
     assert kernel.value("bool((lin.weight != lin_before).all())") is True
 
+@on_engines(ENGINES)
 def test_output_is_labelled_by_rank(kernel):
     out = kernel.ok("%%distribute\nprint(rank)\nimport sys\nprint('err', rank, file=sys.stderr)")
     assert "[rank 0] 0\n" in out.stdout and "[rank 1] 1\n" in out.stdout
     assert "[rank 0] err 0\n" in out.stderr and "[rank 1] err 1\n" in out.stderr
 
 
+@on_engines(ENGINES)
 def test_output_arrives_while_the_cell_runs(kernel, tmp_path):
     # The workers block until the test has seen their first line: if output only came
     # at the end, the workers would wait out their deadline and the cell would fail.
@@ -121,6 +126,7 @@ print("released")
     assert "[rank 0] released" in out.stdout
 
 
+@on_engines(["dask"])
 def test_the_dask_scheduler_keeps_no_history_of_the_output(kernel):
     if kernel.backend != "dask":
         pytest.skip("Dask's scheduler keeps events by topic; ipyparallel's controller runs with --nodb")
@@ -135,6 +141,7 @@ def test_the_dask_scheduler_keeps_no_history_of_the_output(kernel):
     assert max(kept[0] + kept[1]) <= 16, kept  # the scheduler's events of our topics, and its stream to us
 
 
+@on_engines(ENGINES)
 def test_torchrun_environment_and_injected_names(kernel):
     out = kernel.ok("""%%distribute
 import os
@@ -169,6 +176,7 @@ dist.destroy_process_group()
     assert "[rank 0] again 2.0" in out.stdout
 
 
+@on_engines(ENGINES)
 def test_rank_stuck_in_a_collective_is_freed(kernel):
     # Only rank 0 enters the collective; rank 1 goes on (in manual mode it returns, in
     # automatic mode it waits in the end-of-cell buffer sync). --timeout ends it anyway.
@@ -284,6 +292,7 @@ state = {k: v.clone() for k, v in pm.state_dict().items()}
     kernel.ok("%%distribute\nassert not {'pm', 'state', 'opt', 'n', 'W'} & set(globals())")
 
 
+@on_engines(ENGINES)
 def test_error_on_rank_1_names_it_and_the_next_cell_works(kernel, trained):
     failed = kernel.cell("""%%distribute
 if rank == 1:
@@ -336,6 +345,7 @@ def test_pull_copies_rank0_values(kernel):
     assert missing.ok and "could not pull 'nowhere'" in missing.stderr
 
 
+@on_engines(ENGINES)
 def test_timeout_stops_a_slow_rank(kernel):
     out = kernel.cell("""%%distribute --timeout 3
 import time
@@ -348,6 +358,7 @@ if rank == 1:
     kernel.ok("%%distribute\nprint('alive', rank)")
 
 
+@on_engines(ENGINES)
 def test_kernel_interrupt_stops_every_rank(kernel):
     import time as _time
 
@@ -368,12 +379,14 @@ while time.time() - t0 < 120:
     assert "[rank 1] reusable 2.0" in after.stdout
 
 
+@on_engines(ENGINES)
 def test_rich_output_from_rank0_is_shown_once(kernel):
     out = kernel.ok("%%distribute\nfrom IPython.display import display, HTML\ndisplay(HTML(f'<b>from rank {rank}</b>'))")
     html = [d["text/html"] for d in out.displays if "text/html" in d]
     assert html == ["<b>from rank 0</b>"]
 
 
+@on_engines(ENGINES)
 def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
     kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)")  # group formed and used
     listening = []
@@ -386,6 +399,7 @@ def test_every_listening_socket_of_the_cluster_is_on_loopback(kernel):
     # Ray's servers listen on IPv6 sockets that take IPv4 too: ::ffff:127.0.0.1 is loopback.
     assert {ip.removeprefix("::ffff:") for _, ip, _ in listening} == {"127.0.0.1"}, listening
 
+@on_engines(ENGINES)
 def test_the_clusters_files_are_readable_by_the_owner_only(kernel):
     import os
     import tempfile
@@ -432,6 +446,7 @@ def _how_it_died(kernel, pid, how):
     return f"its Ray actor (pid {pid}) died" if kernel.backend == "ray" else f"(its process {pid} {how})"
 
 
+@on_engines(ENGINES)
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
     kernel.ok("%%distribute\npass")  # the cluster is up
     pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
@@ -451,6 +466,7 @@ dist.all_reduce(t)
     assert "[rank 1] sum 2.0" in again.stdout
     assert wait_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)]) == []
 
+@on_engines(ENGINES)
 def test_worker_killed_mid_epoch_fails_the_cell_naming_it(kernel):
     kernel.ok("%%distribute\nimport os\npid = os.getpid()")
     pid = kernel.value("jupyter_scale.get_session().gather('pid')[1]")
@@ -471,6 +487,7 @@ for step in range(10_000):
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "[rank 1] sum 2.0" in again.stdout
 
+@on_engines(ENGINES)
 def test_worker_dying_between_cells_is_replaced(kernel):
     pid = kernel.value("jupyter_scale.get_session().workers[1]['pid']")
     psutil.Process(pid).kill()
@@ -486,6 +503,7 @@ def test_worker_dying_between_cells_is_replaced(kernel):
     assert "[rank 1] sum 2.0" in out.stdout
     assert "(raylet)" not in out.stdout  # the session says it; Ray's driver does not say it again
 
+@on_engines(ENGINES)
 def test_resize_then_stop_leaves_no_process(kernel):
     out = kernel.ok("%%distribute --workers 3\nprint('size', world_size)", timeout=120)
     assert "resizing from 2 to 3 workers" in out.stdout
@@ -503,6 +521,7 @@ def test_resize_then_stop_leaves_no_process(kernel):
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])
+@on_engines(ENGINES)
 def test_big_values_travel_both_ways_through_shared_memory_or_the_engine(kernel, shared_memory):
     session = "jupyter_scale.get_session()"
     kernel.ok(f"{session}.shared_memory_enabled = {shared_memory}\n%scale restart --workers 2", timeout=120)

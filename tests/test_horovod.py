@@ -12,8 +12,11 @@ import pytest
 
 from conftest import _started_kernel, _stop_and_check
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
-                                reason="horovod is not installed (scripts/build_horovod.sh builds it)")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
+                       reason="horovod is not installed (scripts/build_horovod.sh builds it)"),
+]
 
 NOTEBOOK = """
 import numpy as np

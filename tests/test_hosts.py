@@ -19,6 +19,8 @@ import pytest
 import hosts
 from hosts import KERNEL_ADDRESS, Hosts
 
+pytestmark = pytest.mark.cluster
+
 if (_reason := hosts.unavailable_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 

@@ -18,7 +18,12 @@ import pytest
 import zmq
 from stranger import require_stranger, run_as_stranger
 
+from conftest import ENGINES, kernel_fixture
 from jupyter_scale import metrics
+
+# The kernel tests: each engine carries the events its own way (ipyparallel's iopub, Ray's
+# outbox, a TCP port for Dask), so every engine.
+kernel = kernel_fixture(ENGINES)
 
 
 def _sign(key: str, batch) -> bytes:
@@ -354,7 +359,7 @@ if rank == 0:  # a process on the cluster without the key sends what it likes
         for m in rogue_messages:
             channel.send(m)
     elif events_address.startswith("channel://"):  # the kernel's direct channel to the workers on its host
-        from jupyter_scale.channel import _EventTransport
+        from jupyter_scale.backends.channel import _EventTransport
         channel = _EventTransport(events_address)
         for m in rogue_messages:
             channel.send(m)

@@ -9,6 +9,7 @@ from conftest import README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (apt-get install openmpi-bin)"),
     pytest.mark.timeout(300),
 ]

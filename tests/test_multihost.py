@@ -18,7 +18,10 @@ import hosts
 from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
 from kernel import Kernel
 
-pytestmark = pytest.mark.skipif(bool(hosts.unavailable_reason()), reason=hosts.unavailable_reason() or "")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(bool(hosts.unavailable_reason()), reason=hosts.unavailable_reason() or ""),
+]
 
 PER_HOST = 2
 

@@ -9,7 +9,10 @@ import pytest
 from conftest import _started_kernel, _stop_and_check
 
 # Never imported here: Paddle crashes a process that imported TensorFlow (see test_frameworks).
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("paddle") is None, reason="paddle is not installed")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(importlib.util.find_spec("paddle") is None, reason="paddle is not installed"),
+]
 
 NOTEBOOK = """
 import numpy as np

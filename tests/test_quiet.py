@@ -12,8 +12,11 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import wait_gone
+
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 JUPYTER = str(Path(sys.executable).parent / "jupyter")

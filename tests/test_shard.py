@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import CLUSTER_ENGINES, COUNT_AVERAGING, kernel_fixture
+from conftest import COUNT_AVERAGING
 
 NOTEBOOK = """
 import copy
@@ -47,9 +47,8 @@ steps = len(loader)
 """
 
 
-# FSDP2 runs in the ranks' own code, which no engine touches; Ray runs the shared kernel tests
-# in the other modules, and these 17 would add minutes of CI on a third engine.
-kernel = kernel_fixture(CLUSTER_ENGINES)
+# FSDP2 runs in the ranks' own code, which no engine touches: the default engine only (conftest's
+# `kernel`); the engines' own paths are tested in test_distribute, test_failures, test_backend_protocol.
 
 
 @pytest.fixture(scope="module")

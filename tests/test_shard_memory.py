@@ -37,6 +37,8 @@ import pytest
 
 from conftest import _started_kernel, _stop_and_check, wait_gone
 
+pytestmark = pytest.mark.cluster
+
 WIDTH, DEPTH = 2048, 16  # 16 blocks of 2048 x 2048 float32 (+ a head): P = 256 MB
 BUDGET_IN_P = 3  # the cap above each worker's own data size: one replica + Adam's two moments
 

@@ -14,7 +14,10 @@ from kernel import Kernel
 if (_reason := slurm.unavailable_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(300),
+]
 
 NOTEBOOK = README_DATA
 

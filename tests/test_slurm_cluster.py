@@ -15,7 +15,10 @@ import slurm
 if (_reason := slurm.unavailable_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(120),
+]
 
 
 def until(what, condition, timeout=30.0):

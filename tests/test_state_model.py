@@ -3,8 +3,9 @@ a local run of the cell would have left, and the next cell sends what the notebo
 since, in either direction.
 
 The unit tests check the two halves alone (rank 0's digests; writing rank 0's value into the
-notebook's object); the cluster tests run the cells of issue reports on every engine, each
-against the same cells run locally in the same kernel.
+notebook's object); the cluster tests run the cells of issue reports on the default engine (what the notebook
+holds afterwards is the session's doing, whatever engine carries the bytes), each against
+the same cells run locally in the same kernel.
 """
 
 import pytest
@@ -107,7 +108,7 @@ def test_adopt_refuses_what_cannot_take_the_value(old, new):
     assert not statesync.adopt(old, new)
 
 
-# -- on every engine: the cells of the reports, against the same cells run locally ----------
+# -- in a kernel: the cells of the reports, against the same cells run locally ----------
 
 MODEL = """
 torch.manual_seed(0)
