@@ -23,7 +23,6 @@ thread of its own (Dask, whose tasks run in a thread too).
 from __future__ import annotations
 
 import contextvars
-import itertools
 import logging
 import os
 import pickle
@@ -42,7 +41,8 @@ import zmq
 
 from .. import capture, metrics, processes, worker
 from ..errors import WorkerCallFailed, WorkerLost
-from .base import Job, split_frames
+from .base import split_frames
+from .relay import Relay, RelayedJob
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ class CellChannel:
     def __init__(self, ranks: int, gone_ranks: Callable[[], list[int]], events: metrics.EventQueue | None):
         self.ranks = ranks
         self._gone_ranks = gone_ranks
-        self._events = events
         self.directory = _private_directory()
         # Removed at close, or when the kernel exits without closing it, or by the kernel's
         # watcher when the kernel dies (SIGKILL).
@@ -126,8 +125,7 @@ class CellChannel:
         self.identities = [f"rank{rank}-{tag}".encode() for rank in range(ranks)]
         self._rank_of = {identity: rank for rank, identity in enumerate(self.identities)}
         self._heard: set[int] = set()
-        self._jobs: dict[str, ChannelJob] = {}
-        self._job_ids = itertools.count()
+        self.relay = Relay(events)  # the calls' answers and output to their jobs, events to the queue
         self.closed = False
 
     @property
@@ -161,15 +159,15 @@ class CellChannel:
 
     def _new_job(self, fn: Callable, ranks: list[int]) -> ChannelJob:
         self.poll(0)  # what came since the last job (late output of an abandoned cell) goes first
-        job = ChannelJob(self, f"{getattr(fn, '__name__', 'call')}-{next(self._job_ids)}", ranks)
+        job = ChannelJob(self, self.relay.new_id(fn), ranks)
         job.unreachable.update(set(self._gone_ranks()) & set(ranks))  # lost, as the job's wait says
-        self._jobs[job.id] = job
+        self.relay.add(job)
         return job
 
     @staticmethod
     def _encode(job: ChannelJob, fn: Callable, args: tuple) -> list:
         head, frames = split_frames(args)  # big buffers as frames of their own, not pickled
-        return [_dumps((job.id, fn, head)), *frames]
+        return [_dumps((job.job_id, fn, head)), *frames]
 
     def _send_call(self, job: ChannelJob, rank: int, message: list) -> None:
         if rank in job.unreachable:
@@ -212,22 +210,16 @@ class CellChannel:
             self._heard.add(rank)
         elif kind == _REPLY and len(parts) >= 3:
             job_id, ok, value, split = pickle.loads(parts[2].buffer)
-            job = self._jobs.get(job_id)
-            if job is not None:
+            job = self.relay.job(job_id)
+            if isinstance(job, ChannelJob):
                 job.answer(rank, ok, (*value, *(part.buffer for part in parts[3:])) if split else value)
 
     def _take_out(self, parts: list) -> None:
         kind = parts[0].bytes
-        if kind == _EVENTS and self._events is not None:
-            self._events.accept(parts[1].bytes)  # checks and counts what it cannot take
+        if kind == _EVENTS:
+            self.relay.event(parts[1].bytes)
         elif kind == _OUTPUT:
-            message = pickle.loads(parts[1].buffer)
-            job = self._jobs.get(message.get("job"))
-            if job is not None:
-                job.take_output(message)
-
-    def forget(self, job: ChannelJob) -> None:
-        self._jobs.pop(job.id, None)
+            self.relay.output(pickle.loads(parts[1].buffer))
 
     def gone_ranks(self) -> list[int]:
         return self._gone_ranks()
@@ -238,37 +230,26 @@ class CellChannel:
         if self.closed:
             return
         self.closed = True
-        self._jobs.clear()
+        self.relay.clear()
         self._calls.close()
         self._out.close()
         self._remove()
 
 
-class ChannelJob(Job):
+class ChannelJob(RelayedJob):
     """One call over the channel: each rank's answer, and its output until the end marker."""
 
     def __init__(self, channel: CellChannel, job_id: str, ranks: list[int]):
-        super().__init__(ranks)
-        self.id = job_id
+        super().__init__(channel.relay, job_id, ranks)
         self._channel = channel
         self._answers: dict[int, tuple[bool, Any]] = {}
-        self._ended: set[int] = set()  # ranks whose output ended
         self.unreachable: set[int] = set()  # ranks the call could not be sent to
 
     def answer(self, rank: int, ok: bool, value: Any) -> None:
         self._answers[rank] = (ok, value)
 
-    def take_output(self, message: dict) -> None:
-        rank, outputs, ended = capture.outputs_of(message)
-        if ended:
-            self._ended.add(rank)
-        self.accept_output(outputs)
-
     def _replied(self, rank: int) -> bool:
         return rank in self._answers
-
-    def _output_complete(self, rank: int) -> bool:
-        return rank in self._ended
 
     def _worker_gone(self, rank: int) -> bool:
         return rank in self.unreachable or rank in self._channel.gone_ranks()
@@ -289,7 +270,7 @@ class ChannelJob(Job):
 
     def release(self) -> None:
         self._answers.clear()
-        self._channel.forget(self)
+        super().release()
 
 
 # --------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ KeyboardInterrupt in the cell's thread (`worker.interrupt_cell`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import multiprocessing
 import os
@@ -41,6 +40,7 @@ from ..errors import ClusterError
 from ..launchers import Launcher, SlurmLauncher
 from . import CONNECT_TIMEOUT_S, Backend, Job, WorkerCallFailed, WorkerLost, channel, describe_exit, engine_errors
 from .base import Frames, split_frames
+from .relay import Relay, RelayedJob
 
 log = logging.getLogger(__name__)
 
@@ -250,31 +250,18 @@ class _TopicEventQueue(metrics.EventQueue):
             self._client.unsubscribe_topic(self._topic)
 
 
-class _DaskJob(Job):
+class _DaskJob(RelayedJob):
     def __init__(self, backend: DaskBackend, job_id: str, futures: dict, held: list):
-        super().__init__(list(futures))
+        super().__init__(backend.relay, job_id, list(futures))
         self._backend = backend
-        self.job_id = job_id
         self._futures = futures
         self._held = held  # scattered arguments: released with the job
-        self._ended: set[int] = set()  # ranks whose last output batch arrived
         self._values: dict[int, Any] = {}  # results fetched, not yet handed over
         for future in futures.values():
             future.add_done_callback(lambda _f: self.notify())
 
-    def on_output(self, message: dict) -> None:  # the client's event loop thread
-        rank, outputs, end = capture.outputs_of(message)
-        # Output first: a rank counts as done once its end is seen, and whatever arrives
-        # after the session took the last output would never be shown.
-        self.accept_output(outputs)
-        if end:
-            self._ended.add(rank)
-
     def _replied(self, rank: int) -> bool:
         return self._futures[rank].done()
-
-    def _output_complete(self, rank: int) -> bool:
-        return rank in self._ended
 
     def _worker_gone(self, rank: int) -> bool:
         return rank in self._backend.gone_ranks()
@@ -297,7 +284,7 @@ class _DaskJob(Job):
         return tuple(value.frames) if isinstance(value, Frames) else value
 
     def release(self) -> None:
-        self._backend.forget_job(self.job_id)
+        super().release()
         pending = [f for f in self._futures.values() if not f.done()]
         if pending:
             with contextlib.suppress(Exception):
@@ -355,9 +342,8 @@ class DaskBackend(Backend):
         self.client: Client | None = None
         self._addresses: list[str] = []
         self._pids: list[int] = []
-        self._jobs: dict[str, _DaskJob] = {}
+        self.relay = Relay()  # output to its job (events come on a topic of their own: open_events)
         self._output_topic = ""
-        self._job_ids = itertools.count()
         self._alive: set[str] = set()
         self._alive_before: set[str] = set()
         self._alive_at = 0.0
@@ -470,7 +456,7 @@ class DaskBackend(Backend):
         # Every call of the old workers goes first: one the scheduler still held (a job
         # nobody waited for to the end: a cell's farewell to its ranks, a wait that failed) is
         # pinned to its worker's address, and would run on a new worker that gets that port.
-        for job in list(self._jobs.values()):
+        for job in self.relay.jobs():
             job.release()
         with dask.config.set(self._settings), engine_errors(failed, detail=lambda exc: self._died_starting()):
             # Every nanny goes (a dead worker's too), stopping its worker; new ones start fresh.
@@ -621,7 +607,7 @@ class DaskBackend(Backend):
             if stream is not None and hasattr(stream, "interval"):
                 stream.interval = min(stream.interval, CLIENT_SEND_INTERVAL_S)
             self._output_topic = f"jupyter_scale-output-{uuid.uuid4().hex[:12]}"
-            client.subscribe_topic(self._output_topic, self._route_output)
+            client.subscribe_topic(self._output_topic, lambda event: self.relay.output(event[1]))
             self._adopt_workers(client, n)
         except BaseException:
             self.stop()  # the cluster, its workers and its directory: not left behind
@@ -645,7 +631,8 @@ class DaskBackend(Backend):
         client, cluster = self.client, self._cluster
         processes = self.local_processes() if self.owns_cluster else []
         self.client, self._cluster = None, None
-        self._addresses, self._pids, self._jobs = [], [], {}
+        self._addresses, self._pids = [], []
+        self.relay.clear()
         if client is not None:
             with contextlib.suppress(Exception):
                 client.unsubscribe_topic(self._output_topic)
@@ -750,15 +737,9 @@ class DaskBackend(Backend):
             raise ClusterError("no Dask cluster is attached")
         return self.client
 
-    def _route_output(self, event: tuple) -> None:
-        message = event[1]
-        job = self._jobs.get(message.get("job"))
-        if job is not None:
-            job.on_output(message)
-
     def _new_job(self, fn: Callable, calls: dict[int, tuple], held: list) -> _DaskJob:
         client = self._require_client()
-        job_id = f"{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex[:8]}-{next(self._job_ids)}"
+        job_id = self.relay.new_id(fn)
         futures = {}
         for rank, (args, payload) in calls.items():
             futures[rank] = client.submit(
@@ -767,11 +748,8 @@ class DaskBackend(Backend):
                 allow_other_workers=False, pure=False, retries=0,
             )
         job = _DaskJob(self, job_id, futures, held)
-        self._jobs[job_id] = job
+        self.relay.add(job)
         return job
-
-    def forget_job(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)
 
     def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> Job:
         client = self._require_client()

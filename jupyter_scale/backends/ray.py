@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ipaddress
-import itertools
 import logging
 import os
 import secrets
@@ -44,6 +43,7 @@ from ..errors import ClusterError
 from ..launchers import Launcher
 from . import Backend, Job, WorkerCallFailed, WorkerLost, descendants, engine_errors
 from .base import Frames, split_frames
+from .relay import Relay, RelayedJob
 
 log = logging.getLogger(__name__)
 
@@ -180,23 +180,22 @@ class _OutboxEventQueue(metrics.EventQueue):
 
     address = f"{OUTBOX_SCHEME}://"
 
-    def __init__(self, backend: RayBackend):
+    def __init__(self, relay: Relay):
         super().__init__()
-        self._backend = backend
-        backend.event_queue = self
+        self._relay = relay
+        relay.events = self
 
     def close(self) -> None:
-        if self._backend.event_queue is self:
-            self._backend.event_queue = None
+        if self._relay.events is self:
+            self._relay.events = None
 
 
-class _RayJob(Job):
+class _RayJob(RelayedJob):
     def __init__(self, backend: RayBackend, job_id: str, ranks: list[int], held: list):
-        super().__init__(ranks)
-        self._backend, self.job_id, self._held = backend, job_id, held
+        super().__init__(backend.relay, job_id, ranks)
+        self._backend, self._held = backend, held
         self._refs: dict[int, Any] = dict.fromkeys(ranks)
         self._answered: set[int] = set()
-        self._ended: set[int] = set()  # ranks whose last output arrived
 
     def attach(self, refs: dict) -> None:
         """The calls' replies, once sent (the job is known to the outbox reader before)."""
@@ -208,23 +207,12 @@ class _RayJob(Job):
         self._answered.add(rank)
         self.notify()
 
-    def on_output(self, message: dict) -> None:  # the outbox reader's thread
-        rank, outputs, end = capture.outputs_of(message)
-        # Output first: a rank counts as done once its end is seen, and whatever arrives
-        # after the session took the last output would never be shown.
-        self.accept_output(outputs)
-        if end:
-            self._ended.add(rank)
-
     def _replied(self, rank: int) -> bool:
         # The done callback is the fast path; Ray Client's futures may never call it.
         ref = self._refs[rank]
         if rank not in self._answered and ref is not None and ray.wait([ref], timeout=0)[0]:
             self._answered.add(rank)
         return rank in self._answered
-
-    def _output_complete(self, rank: int) -> bool:
-        return rank in self._ended
 
     def _worker_gone(self, rank: int) -> bool:
         return False  # a dead actor's call answers with ActorDiedError at once
@@ -244,7 +232,7 @@ class _RayJob(Job):
         return value
 
     def release(self) -> None:
-        self._backend.forget_job(self.job_id)
+        super().release()
         for rank, ref in self._refs.items():
             if rank not in self._answered:  # queued behind a stuck call: never run it
                 with contextlib.suppress(Exception):
@@ -292,11 +280,9 @@ class RayBackend(Backend):
         self._client_mode = False  # through Ray Client (ray://): buffers travel in band
         self._environ: dict[str, str | None] = {}  # the kernel's variables before ours
         self._address = ""
-        self._jobs: dict[str, _RayJob] = {}
-        self._job_ids = itertools.count()
         self._reader: threading.Thread | None = None
         self._reading = threading.Event()
-        self.event_queue: _OutboxEventQueue | None = None
+        self.relay = Relay()  # output to its job, events to the queue (see _read_outboxes)
         self.owns_cluster = True
 
     # -- lifecycle -----------------------------------------------------------------
@@ -434,7 +420,8 @@ class RayBackend(Backend):
             self._reader = None
         # Ray's processes, found while the head still holds them (they are orphans once it exits).
         tree = _tree(self._head.pid) if self._head is not None else []
-        actors, group, self._actors, self._group, self._pids, self._jobs = self._actors, self._group, [], None, [], {}
+        actors, group, self._actors, self._group, self._pids = self._actors, self._group, [], None, []
+        self.relay.clear()
         head, self._head = self._head, None
         try:
             if ray.is_initialized():
@@ -493,7 +480,7 @@ class RayBackend(Backend):
         self._pids = [self._pids[i] for i in order]
 
     def open_events(self) -> metrics.EventQueue:
-        return _OutboxEventQueue(self)
+        return _OutboxEventQueue(self.relay)
 
     def contact_address(self) -> str | None:
         if self.owns_cluster:
@@ -558,22 +545,15 @@ class RayBackend(Backend):
 
     def _route(self, kind: str, message: Any) -> None:
         if kind == "event":
-            queue = self.event_queue
-            if queue is not None:
-                queue.accept(message)
+            self.relay.event(message)
         else:
-            job = self._jobs.get(message.get("job"))
-            if job is not None:
-                job.on_output(message)
-
-    def forget_job(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)
+            self.relay.output(message)
 
     def _new_job(self, fn: Callable, calls: dict[int, tuple], held: list) -> _RayJob:
         actors = self._require_actors()
-        job_id = f"{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex[:8]}-{next(self._job_ids)}"
-        # Known to the outbox reader before any call goes out: a short call's output may come at once.
-        job = self._jobs[job_id] = _RayJob(self, job_id, list(calls), held)
+        job_id = self.relay.new_id(fn)
+        job = _RayJob(self, job_id, list(calls), held)
+        self.relay.add(job)
         job.attach({rank: actors[rank].call.remote(fn, job_id, rank, args, payload, self._client_mode)
                     for rank, (args, payload) in calls.items()})
         return job
