@@ -143,7 +143,7 @@ def local_bytes(tensors):
     total = 0
     for t in tensors:
         if torch.is_tensor(t):
-            t = t.to_local() if jupyter_scale.training.is_sharded(t) else t
+            t = t.to_local() if jupyter_scale.sharding.is_sharded(t) else t
             total += t.numel() * t.element_size()
     return total
 
@@ -152,13 +152,13 @@ def state_bytes(model, opt):
     params = list(model.parameters())
     return {{'params': local_bytes(params), 'grads': local_bytes(p.grad for p in params),
             'optimizer': local_bytes(v for s in opt.state.values() for v in s.values()),
-            'sharded_params': sum(jupyter_scale.training.is_sharded(p) for p in params), 'n_params': len(params)}}
+            'sharded_params': sum(jupyter_scale.sharding.is_sharded(p) for p in params), 'n_params': len(params)}}
 
 def held_copies(model, in_use=()):
     # Diagnostic, from jupyter_scale's internals: bytes of the tensors this worker keeps from the
     # notebook's shipment (one per notebook tensor) that back neither the model's parameters
     # now nor the tensors `in_use` (the dataset's).
-    local = lambda p: p.to_local() if jupyter_scale.training.is_sharded(p) else p
+    local = lambda p: p.to_local() if jupyter_scale.sharding.is_sharded(p) else p
     try:
         from jupyter_scale import worker
         held = [local(t) for t in worker._state.receiver.tensors.values()]

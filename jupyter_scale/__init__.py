@@ -23,7 +23,8 @@ from .errors import (
 )
 from .libraries import rebuild_on_workers
 from .metrics import report
-from .training import prepare, shard, shard_model, wrap
+from .sharding import shard_model
+from .training import prepare, shard, wrap
 
 _session = None
 

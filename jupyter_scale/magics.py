@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import frameworks, jobfiles, launchers, patches, training, worker
+from . import frameworks, jobfiles, launchers, patches, sharding, worker
 from .backends import available_backends, find_connection
 from .session import ScaleSession
 
@@ -142,7 +142,7 @@ class ScaleMagics(Magics):
               help="shard the models the cell trains across the ranks (FSDP2's fully_shard, block by block): each "
                    "rank keeps its part of the weights, gradients and optimizer state; a model the cell builds on "
                    "the meta device is materialized shard by shard")
-    @argument("--mixed-precision", choices=sorted(training.PRECISIONS), default=None,
+    @argument("--mixed-precision", choices=sorted(sharding.PRECISIONS), default=None,
               help="with --shard: compute in this dtype, reduce gradients in float32 (FSDP2's MixedPrecisionPolicy)")
     @argument("--keep-sharded", action="store_true",
               help="leave sharded models on the workers: the notebook's model is not updated (save a checkpoint "

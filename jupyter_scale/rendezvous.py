@@ -549,3 +549,15 @@ def launcher_rank() -> tuple[int, int] | None:
     if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
         return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_STEP_NUM_TASKS"])
     return None
+
+
+def distributed() -> bool:
+    """A process group of more than one rank is running in this process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def group_device() -> torch.device:
+    """Where the running group's collectives take their tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

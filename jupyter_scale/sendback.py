@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import frameworks, shipping, statesync, training
+from . import frameworks, sharding, shipping, statesync
 
 
 class Return:
@@ -89,11 +89,11 @@ class Return:
         if kind != "torch":
             self.errors[name] = f"is a {kind} model, and no {kind} group ran this cell (--framework {kind})"
             return
-        if training.is_sharded_model(value):
+        if sharding.is_sharded_model(value):
             if self.request.get("keep_sharded"):  # left on the workers: the notebook's stays as it was
                 self.pulled.append(([name], "kept", 0))
             else:
-                self.pulled.append(([name], "sharded", training.whole_tensors_plan(value)))
+                self.pulled.append(([name], "sharded", sharding.whole_tensors_plan(value)))
             return
         notebook = self.request.get("digests", {}).get(name.removeprefix(statesync.BEFORE), {})
         if name.removeprefix(statesync.BEFORE) in self.changed:  # its structure changed: whole, but for
@@ -193,7 +193,7 @@ def register_back(back: dict, ns: dict, receiver: shipping.Receiver) -> None:
 
 def holds_shards(value) -> bool:
     if isinstance(value, torch.nn.Module):
-        return training.is_sharded_model(value)
+        return sharding.is_sharded_model(value)
     if isinstance(value, torch.optim.Optimizer):
-        return any(training.is_sharded(p) for group in value.param_groups for p in group["params"])
-    return isinstance(value, torch.Tensor) and training.is_sharded(value)
+        return any(sharding.is_sharded(p) for group in value.param_groups for p in group["params"])
+    return isinstance(value, torch.Tensor) and sharding.is_sharded(value)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import frameworks, patches, rendezvous, sendback, sharedmem, shipping, statesync, training, writewatch
+from . import frameworks, patches, rendezvous, sendback, sharding, sharedmem, shipping, statesync, training, writewatch
 from .metrics import EventSink, Recorder
 from .protocol import CellRequest, Described, Layout
 
@@ -425,7 +425,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     # sharded here keeps the notebook's tokens of its parameters: their whole tensors are
     # freed, and the notebook's later changes reach the shards.
     shard = request.get("shard") if request.get("auto") else None
-    sharding = training.Sharding(_state.namespace, shard, _state.receiver.replace) if shard is not None else nullcontext()
+    sharding_cell = (training.Sharding(_state.namespace, shard, _state.receiver.replace) if shard is not None
+                     else nullcontext())
     if _state.device.type == "cuda":  # the current device is the thread's: the call's may be new
         torch.cuda.set_device(_state.device)
     _gate_sigint()  # the engine (or the channel) restores its own handler once the call is answered
@@ -439,7 +440,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
         sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
     try:
         _cell_may_be_interrupted(True)
-        with mode, sharding:
+        with mode, sharding_cell:
             _state.receiver.device = _state.device
             # Another framework's group first: TensorFlow's must exist before any TensorFlow op,
             # and notebook models arrive under it.
@@ -455,7 +456,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
                 training.resync(_state.namespace)
             if auto and request.get("shard") is not None:  # --shard: the notebook's models the cell uses
-                training.shard_models(_state.namespace, request.get("modules", []), request["shard"],
+                sharding.shard_models(_state.namespace, request.get("modules", []), request["shard"],
                                       _state.receiver.replace)
             _inject()
             _register_source(request["filename"], request["code"])
@@ -465,8 +466,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             before = _bindings()
             with _as_main():
                 exec(code, _state.namespace)
-            training.reshard(_state.namespace)  # an evaluation at the end leaves whole weights out
-            if auto and training._distributed():  # the cell may have destroyed the group
+            sharding.reshard(_state.namespace)  # an evaluation at the end leaves whole weights out
+            if auto and rendezvous.distributed():  # the cell may have destroyed the group
                 # The kernel compares every rank's and asks for `sync_buffers` if any.
                 buffers = training.buffer_signatures(_state.namespace)
                 # And these, to say where the ranks' models or optimizers drifted apart.
@@ -584,7 +585,7 @@ def sync_buffers(names: list[str]) -> None:
 def whole_tensors(name: str, keys: list[str]) -> tuple:
     """Whole tensors of the sharded module `name`'s state dict entries `keys`: every rank
     gathers them, rank 0 answers them (the kernel's pull-back of a sharded model)."""
-    value = training.whole_tensors(_state.namespace[name], keys)
+    value = sharding.whole_tensors(_state.namespace[name], keys)
     if _state.rank != 0:
         return ({"rank": _state.rank},)
     return ({"rank": 0}, *shipping.dumps(value, _state.namespace)[0])

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).parent.parent / "jupyter_scale"
 # in docs/architecture.md.
 LAYERS = {
     "values": ["errors", "protocol", "records", "settings", "_version", "patches", "processes"],
-    "worker": ["worker", "cellnames", "training", "overlap", "batchnorm", "checkpoint", "rendezvous", "shipping", "sendback",
+    "worker": ["worker", "cellnames", "training", "sharding", "overlap", "batchnorm", "checkpoint", "rendezvous",
+               "shipping", "sendback",
                "statesync", "writewatch", "libraries", "notes", "sharedmem", "capture", "metrics", "frameworks",
                "frameworks.tensorflow", "frameworks.paddle", "frameworks.horovod", "script", "ray_job"],
     "engines": ["backends", "backends.base", "backends.ipyparallel", "backends.dask", "backends.ray",

@@ -63,12 +63,12 @@ def test_a_cell_that_shards_its_model_trains_as_unsharded_automatic_mode_does(k)
     k.ok("%%distribute --workers 2" + LOOP, timeout=300)
     k.ok("unsharded = copy.deepcopy(model)\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
     # The same loop; the cell shards the body's layers and the whole model first (FSDP2).
-    k.ok("%%distribute --workers 2" + COUNT_AVERAGING +
+    k.ok("%%distribute --workers 2" + COUNT_AVERAGING + "import jupyter_scale.sharding as sharding\n"
          "for layer in model.body:\n"
          "    if any(True for _ in layer.parameters()):\n"
          "        fully_shard(layer)\n"
          "fully_shard(model)\n"
-         "sharded = all(training.is_sharded(p) for p in model.parameters())\n"
+         "sharded = all(sharding.is_sharded(p) for p in model.parameters())\n"
          "with averaging_counted() as averaged:\n" + textwrap.indent(LOOP, "    ") +
          "averaged_by_us = averaged.count\n", timeout=300)
     assert k.value("jupyter_scale.get_session().gather('steps')") == [20, 20]
@@ -95,8 +95,8 @@ def test_shard_trains_the_unchanged_loop_sharded_and_equal_to_unsharded(k):
     k.ok("%%distribute --workers 2" + LOOP, timeout=300)
     k.ok("unsharded = copy.deepcopy(model)\nmodel = copy.deepcopy(start)\ntorch.manual_seed(7)")
     out = k.ok("%%distribute --workers 2 --shard\n"
-               "import jupyter_scale.training as training\n"
-               "sharded = [n for n, p in model.named_parameters() if training.is_sharded(p)]\n"
+               "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
+               "sharded = [n for n, p in model.named_parameters() if sharding.is_sharded(p)]\n"
                "units = sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))" + LOOP, timeout=300)
     assert "Traceback" not in out.stderr
     names = k.value("[n for n, _ in start.named_parameters()]")
@@ -160,11 +160,11 @@ def test_the_pull_back_of_a_sharded_model_comes_in_chunks_and_is_whole(k):
     try:
         k.ok("%%distribute --workers 2 --shard\n"
              "import jupyter_scale.worker as w\n"
-             "import jupyter_scale.training as training\n"
+             "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
              "calls = []\n"
              "if not hasattr(training, 'counted'):\n"
-             "    training.counted, original = True, training.whole_tensors\n"
-             "    training.whole_tensors = lambda m, keys: (calls.append(len(keys)), original(m, keys))[1]"
+             "    training.counted, original = True, sharding.whole_tensors\n"
+             "    sharding.whole_tensors = lambda m, keys: (calls.append(len(keys)), original(m, keys))[1]"
              + LOOP, timeout=300)
         k.ok("""
 assert (flat(model) - flat(unsharded)).abs().max().item() <= 1e-5
@@ -179,29 +179,29 @@ for a, b in zip(model.body[1].buffers(), unsharded.body[1].buffers()):
         assert sum(calls[0]) == entries - 1, (calls, entries)
     finally:
         k.ok("%config ScaleSession.pull_chunk_bytes = 64 << 20")
-        k.ok("%%distribute\nimport jupyter_scale.training as training\n"
+        k.ok("%%distribute\nimport jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
              "if hasattr(training, 'counted'):\n"
-             "    training.whole_tensors = original\n"
+             "    sharding.whole_tensors = original\n"
              "    del training.counted", timeout=120)
 
 
 def test_a_model_built_on_the_meta_device_in_the_cell_trains_sharded_as_one_built_whole(k):
     net_loop = LOOP.replace("model", "net")
     gather = ("final = {key: value.clone() for key, value in "
-              "training.whole_tensors(net, list(net.state_dict())).items()}\n")
+              "sharding.whole_tensors(net, list(net.state_dict())).items()}\n")
     k.ok("torch.manual_seed(7)")
     k.ok("%%distribute --workers 2 --pull final\n"
-         "import jupyter_scale.training as training\n"
+         "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
          "net = Tied()\n" + net_loop + gather, timeout=300)
     k.ok("whole = final\ndel net  # the unsharded one came back\ntorch.manual_seed(7)")
     # The same cell, the model built on the meta device: nothing allocated, nothing drawn;
     # --shard shards and materializes it when the optimizer is built over its parameters.
     k.ok("%%distribute --workers 2 --shard --pull final\n"
-         "import jupyter_scale.training as training\n"
+         "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
          "with torch.device('meta'):\n"
          "    net = Tied()\n"
          "built_on_meta = all(p.is_meta for p in net.parameters())\n"
-         + net_loop.replace("for x, y in loader:", "sharded = all(training.is_sharded(p) for p in net.parameters())\n"
+         + net_loop.replace("for x, y in loader:", "sharded = all(sharding.is_sharded(p) for p in net.parameters())\n"
                             "for x, y in loader:") + gather, timeout=300)
     assert k.value("jupyter_scale.get_session().gather('built_on_meta')") == [True, True]
     assert k.value("jupyter_scale.get_session().gather('sharded')") == [True, True]
@@ -289,16 +289,16 @@ def test_a_sharded_model_frees_its_whole_copy_and_takes_the_notebooks_later_chan
     # kept for the notebook's later changes are the shards.
     k.ok("%%distribute\n"
          "import jupyter_scale.worker as w\n"
-         "import jupyter_scale.training as training\n"
+         "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
          "shapes = [(24, 16), (24,), (4, 24)]  # (4,) is also a bias of Tied\n"
          "held = list(w._state.receiver.tensors.values())\n"
-         "whole_left = sum(1 for t in held if not training.is_sharded(t) and tuple(t.shape) in shapes)\n"
+         "whole_left = sum(1 for t in held if not sharding.is_sharded(t) and tuple(t.shape) in shapes)\n"
          "held_shards = sum(1 for t in held if any(t is p for p in wide.parameters()))\n", timeout=120)
     assert k.value("jupyter_scale.get_session().gather('whole_left')") == [0, 0]
     assert k.value("jupyter_scale.get_session().gather('held_shards')") == [4, 4]
     # A change in the notebook reaches the workers' shards (written in place, rank by rank).
     k.ok("with torch.no_grad():\n    wide[2].weight.fill_(0.5)")
-    k.ok("%%distribute\nhead = wide[2].weight.full_tensor()\nstill_sharded = training.is_sharded(wide[2].weight)",
+    k.ok("%%distribute\nhead = wide[2].weight.full_tensor()\nstill_sharded = sharding.is_sharded(wide[2].weight)",
          timeout=120)
     k.ok("heads = jupyter_scale.get_session().gather('head')\n"
          "assert all(torch.equal(h, torch.full((4, 24), 0.5)) for h in heads)")
@@ -323,7 +323,7 @@ def test_a_transformers_model_built_on_the_meta_device_trains_sharded(k):
          "with torch.device('meta'):\n"
          "    gpt = GPT2LMHeadModel(config)\n"
          "jupyter_scale.shard_model(gpt, init=gpt._init_weights)\n"
-         "import jupyter_scale.training as training\n"
+         "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
          "opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2)\n"
          "losses = []\n"
          "for epoch in range(2):\n"
@@ -333,8 +333,8 @@ def test_a_transformers_model_built_on_the_meta_device_trains_sharded(k):
          "        loss.backward()\n"
          "        opt.step()\n"
          "        losses.append(loss.item())\n"
-         "sharded = all(training.is_sharded(p) for p in gpt.parameters())\n"
-         "whole = training.whole_tensors(gpt, ['transformer.wte.weight'])['transformer.wte.weight']\n", timeout=300)
+         "sharded = all(sharding.is_sharded(p) for p in gpt.parameters())\n"
+         "whole = sharding.whole_tensors(gpt, ['transformer.wte.weight'])['transformer.wte.weight']\n", timeout=300)
     k.ok("session = jupyter_scale.get_session()\n"
          "losses = session.gather('losses')\n"
          "assert len(losses[0]) == 16 and sum(losses[0][-4:]) < 0.5 * sum(losses[0][:4]), losses[0]\n"
@@ -397,7 +397,7 @@ momentum.step()
 start, start_stacked = copy.deepcopy(plain), copy.deepcopy(stacked)
 """)
     k.ok("%%distribute --workers 2 --shard\n"
-         "import jupyter_scale.training as training\n"
+         "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
          "other = torch.optim.SGD(stacked.parameters(), lr=0.1)\n"
          "for x, y in DataLoader(data, batch_size=32, shuffle=True):\n"
          "    momentum.zero_grad(); other.zero_grad()\n"
@@ -465,7 +465,7 @@ def test_on_one_worker_shard_materializes_a_meta_model_and_trains_it_whole(k):
     # One worker: no automatic seeding, so seeded here (some draws of the weights and the
     # shuffle learn too little in 60 steps to tell)
     k.ok("%%distribute --workers 1 --shard\n"
-         "import jupyter_scale.training as training\n"
+         "import jupyter_scale.training as training, jupyter_scale.sharding as sharding\n"
          "torch.manual_seed(0)\n"
          "with torch.device('meta'):\n"
          "    solo = Tied()\n"
@@ -478,7 +478,7 @@ def test_on_one_worker_shard_materializes_a_meta_model_and_trains_it_whole(k):
          "        loss.backward()\n"
          "        opt.step()\n"
          "        losses.append(loss.item())\n"
-         "whole = not any(training.is_sharded(p) or p.is_meta for p in solo.parameters())\n"
+         "whole = not any(sharding.is_sharded(p) or p.is_meta for p in solo.parameters())\n"
          "tied = solo.out.weight is solo.inp.weight\n", timeout=300)
     assert k.value("jupyter_scale.get_session().gather('whole')") == [True]
     assert k.value("jupyter_scale.get_session().gather('tied')") == [True]

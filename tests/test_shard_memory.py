@@ -24,7 +24,7 @@ rank that shards fixes glibc's mmap threshold: with glibc's default, a dynamic t
 rises to 16 MB after the first such buffer is freed, the 16 MB blocks FSDP all-gathers and
 reduce-scatters at every step came from and went back into the heap, which kept them: each
 sharded worker grew by about 1.7 GB in three steps (more than the one unsharded process) and
-failed in reduce_scatter with "can't allocate memory" (training._give_back_freed_blocks).
+failed in reduce_scatter with "can't allocate memory" (sharding._give_back_freed_blocks).
 """
 
 import re
