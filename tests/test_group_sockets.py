@@ -51,7 +51,10 @@ if rank == 0:
     for conn, _, _ in others:  # still usable?
         try:
             conn.sendall(b"ping")
-            broken += conn.recv(4) != b"ping"
+            echoed = b""
+            while len(echoed) < 4 and (part := conn.recv(4 - len(echoed))):  # TCP may split it
+                echoed += part
+            broken += echoed != b"ping"
         except OSError:
             broken += 1
     report["others_broken"] = broken
