@@ -183,14 +183,15 @@ def classify(cmd: str, parent_cmd: str, tree: str, grandparent_cmd: str = "",
     """(role, whether it is a rank that trains), from a process's command line and its
     parent's; for forks of the worker template (which show its command line), from where
     they are in the tree."""
-    from jupyter_scale.forkserver import TEMPLATE_MAIN
+    from jupyter_scale import programs
 
-    if TEMPLATE_MAIN in cmd:
-        if TEMPLATE_MAIN not in parent_cmd:
+    template = programs.path("worker_template")  # its forks show its command line
+    if template in cmd:
+        if template not in parent_cmd:
             return "worker template (the controller and engines are its forks)", False
         if any("ipyparallel.engine.nanny" in c for c in child_cmds):
             return "engine (a rank)", True
-        if TEMPLATE_MAIN in grandparent_cmd:  # forked by the controller
+        if template in grandparent_cmd:  # forked by the controller
             return "controller's forked schedulers + heart monitor", False
         return "controller (hub)", False
     if tree == "torchrun":
