@@ -148,6 +148,8 @@ class SlurmLauncher(Launcher):
             raise ClusterError(f"the slurm launcher needs Slurm's {', '.join(missing)} on PATH "
                                "(run the notebook on a Slurm login node)")
         self.job_ids: list[str] = []  # every job submitted for this cluster
+        # Each job and the job directory go with the kernel, even a SIGKILLed one.
+        self._watch = processes.watch()
         self.find_jobs: Callable[[], list[str]] = lambda: []  # the engine's word on its jobs
         self._dir: str | None = None
         self._address: str | None = None
@@ -190,6 +192,7 @@ class SlurmLauncher(Launcher):
             os.makedirs(base, mode=0o700, exist_ok=True)
             _remove_orphans(base)
             self._dir = tempfile.mkdtemp(prefix=f"{_owner()}-", dir=base)  # 0700
+            self._watch.add_path(self._dir)
         return self._dir
 
     def listen_address(self) -> str:
@@ -203,6 +206,7 @@ class SlurmLauncher(Launcher):
         for job in self.find_jobs():
             if job and job not in self.job_ids:
                 self.job_ids.append(job)
+                self._watch.add_slurm_job(job)
         self.job_ids.sort(key=lambda j: (len(j), j))  # numbers: 9 before 10
         return self.job_ids
 
@@ -297,6 +301,7 @@ class SlurmLauncher(Launcher):
         if self._dir is not None:  # the script, the output, the workers' certificate
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        self._watch.close()
 
 
 def _owner(pid: int | None = None) -> str:

@@ -6,9 +6,10 @@ watch that ends a cluster's processes and removes its files when the kernel dies
 - `wait(processes, timeout)`: until they ended, or the deadline; what still runs.
 - `end(processes, grace)`: the one stop escalation: SIGTERM, a wait of `grace` s, SIGKILL,
   then our own children reaped. By pid only (psutil checks that a pid was not reused).
-- `watch()`: a group of what one cluster made, its processes and its files and directories,
-  each registered as it is made. If the kernel dies first (even by SIGKILL), the kernel's
-  watcher ends those processes and every process they started, and removes those files;
+- `watch()`: a group of what one cluster made, its processes, Slurm jobs, files and
+  directories, each registered as it is made. If the kernel dies first (even by SIGKILL), the
+  kernel's watcher ends those processes and every process they started, cancels those jobs
+  and removes those files;
   `Watch.close()` forgets them once the kernel stopped the cluster itself. `kernel_watch()`
   is the group of what the kernel keeps across clusters (the worker template, the group's
   store directories).
@@ -230,6 +231,16 @@ class Watch:
             raise ValueError(f"{pattern!r} would match other files than the cluster's")
         _register({"g": self.group, "dir": os.path.abspath(directory), "match": pattern})
 
+    def add_slurm_job(self, job: str) -> None:
+        """A Slurm job of the cluster's, cancelled with `scancel` (as the kernel's Slurm
+        settings say: its SLURM_* variables now, not the watcher's from its start). Starts the
+        watcher: a job queued or running is like a process of ours."""
+        scancel = shutil.which("scancel")
+        if scancel is None or not job.isdigit():
+            return
+        slurm = {k: v for k, v in os.environ.items() if k.startswith("SLURM_")}
+        _register({"g": self.group, "scancel": job, "argv0": scancel, "env": slurm}, start=True)
+
     def close(self) -> None:
         """Forget everything registered: the kernel stopped the cluster (and removed its files)."""
         with _watcher_lock:
@@ -301,6 +312,10 @@ def clean_up(registered: Iterable[dict]) -> None:
     everything = {p.pid: p for p in [*processes, *descendants(processes)] if p.pid != os.getpid()}
     end(everything.values(), grace=0)
     for item in items:
+        if "scancel" in item:  # the job's processes, on nodes of their own, end with it
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run([item["argv0"], item["scancel"]], env={**os.environ, **item["env"]},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
         if "path" in item:
             _remove_path(item["path"], item["dev"], item["ino"])
         elif "dir" in item:

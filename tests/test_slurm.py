@@ -2,6 +2,7 @@
 README's loop as a Slurm job of 2 and 4 workers, a job pending in the queue, a job cancelled
 from outside under a running cell, a job that reaches its time limit, and an empty queue after
 every stop. The kernel finds the cluster through $SLURM_CONF, as on a login node."""
+import os
 import re
 import time
 
@@ -224,8 +225,9 @@ def test_a_job_that_reaches_its_time_limit_fails_the_cell_saying_so(kernel, clus
 
 
 def test_a_kernel_killed_with_sigkill_leaves_no_job_and_no_process(kernel, cluster):
-    """Nobody runs %scale stop: the workers' job ends on its own (the controller, or Dask's
-    scheduler in the kernel, goes with the kernel; the workers follow it), not at its time limit."""
+    """Nobody runs %scale stop: the kernel's watcher cancels the workers' jobs and removes their
+    directory (the workers would end on their own, once they miss the controller or Dask's
+    scheduler for long enough, but hold their nodes until then)."""
     k = Kernel(backend=kernel.engine)
     try:
         k.ok(SETUP + f"\nimport os\nos.environ['SLURM_CONF'] = {cluster.env['SLURM_CONF']!r}")
@@ -234,14 +236,19 @@ def test_a_kernel_killed_with_sigkill_leaves_no_job_and_no_process(kernel, clust
         started = k.descendants()  # the controller and its schedulers (ipyparallel)
         jobs_processes = cluster.processes()
         assert len(jobs_processes) >= 2
+        jobs = cluster.jobs()
+        jobs_directory = os.path.expanduser("~/.jupyter_scale/jobs")  # the launcher's default
+
+        def kernels_directories():  # named after the kernel: host.pid.start-...
+            return [name for name in os.listdir(jobs_directory) if f".{k.pid}." in name]
+
+        assert kernels_directories()
         psutil_kernel = __import__("psutil").Process(k.pid)
         psutil_kernel.kill()
         psutil_kernel.wait(10)
-        deadline = time.monotonic() + 90
-        while cluster.jobs() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert cluster.jobs() == [], "the job outlived its kernel"
+        assert {job: cluster.wait(job, timeout=60) for job in jobs} == dict.fromkeys(jobs, "CANCELLED")
         assert wait_gone(started + jobs_processes, timeout=30) == []
+        assert kernels_directories() == [], "the job's directory outlived its kernel"
     finally:
         k.client.stop_channels()
         k.manager.cleanup_resources()
