@@ -131,11 +131,11 @@ def fresh_kernel():
     _stop_and_check(k)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cli_cluster():
     """A Ray head of 2 CPUs from the `ray` CLI, as a user or KubeRay starts one: on loopback
     only (Ray's one-node setting) and with a token of its own, which the kernel is given as a
-    user gives it (RAY_AUTH_TOKEN_PATH)."""
+    user gives it (RAY_AUTH_TOKEN_PATH). One per module: a cluster outlives its users' sessions."""
     import secrets
     import tempfile
 

@@ -59,7 +59,6 @@ assert type(model).__name__ == "Net"   # the notebook object, updated in place
 """)
 
 
-@on_engines(ENGINES)
 def test_each_rank_trained_on_its_own_shard(kernel, trained):
     # 1024 samples / 2 ranks / batch 32 = 16 steps per epoch on each rank.
     assert kernel.value("jupyter_scale.get_session().gather('steps_seen')") == [32, 32]
@@ -93,7 +92,6 @@ assert lin_opt.param_groups[0]["params"][0] is lin.weight
 """)
     assert kernel.value("bool((lin.weight != lin_before).all())") is True
 
-@on_engines(ENGINES)
 def test_output_is_labelled_by_rank(kernel):
     out = kernel.ok("%%distribute\nprint(rank)\nimport sys\nprint('err', rank, file=sys.stderr)")
     assert "[rank 0] 0\n" in out.stdout and "[rank 1] 1\n" in out.stdout
@@ -141,7 +139,6 @@ def test_the_dask_scheduler_keeps_no_history_of_the_output(kernel):
     assert max(kept[0] + kept[1]) <= 16, kept  # the scheduler's events of our topics, and its stream to us
 
 
-@on_engines(ENGINES)
 def test_torchrun_environment_and_injected_names(kernel):
     out = kernel.ok("""%%distribute
 import os
@@ -176,7 +173,6 @@ dist.destroy_process_group()
     assert "[rank 0] again 2.0" in out.stdout
 
 
-@on_engines(ENGINES)
 def test_rank_stuck_in_a_collective_is_freed(kernel):
     # Only rank 0 enters the collective; rank 1 goes on (in manual mode it returns, in
     # automatic mode it waits in the end-of-cell buffer sync). --timeout ends it anyway.
@@ -292,7 +288,6 @@ state = {k: v.clone() for k, v in pm.state_dict().items()}
     kernel.ok("%%distribute\nassert not {'pm', 'state', 'opt', 'n', 'W'} & set(globals())")
 
 
-@on_engines(ENGINES)
 def test_error_on_rank_1_names_it_and_the_next_cell_works(kernel, trained):
     failed = kernel.cell("""%%distribute
 if rank == 1:
@@ -345,7 +340,6 @@ def test_pull_copies_rank0_values(kernel):
     assert missing.ok and "could not pull 'nowhere'" in missing.stderr
 
 
-@on_engines(ENGINES)
 def test_timeout_stops_a_slow_rank(kernel):
     out = kernel.cell("""%%distribute --timeout 3
 import time
@@ -446,7 +440,6 @@ def _how_it_died(kernel, pid, how):
     return f"its Ray actor (pid {pid}) died" if kernel.backend == "ray" else f"(its process {pid} {how})"
 
 
-@on_engines(ENGINES)
 def test_dead_worker_fails_the_cell_and_the_next_cell_restarts(kernel):
     kernel.ok("%%distribute\npass")  # the cluster is up
     pids = kernel.value("[w['pid'] for w in jupyter_scale.get_session().workers]")
@@ -466,7 +459,6 @@ dist.all_reduce(t)
     assert "[rank 1] sum 2.0" in again.stdout
     assert wait_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)]) == []
 
-@on_engines(ENGINES)
 def test_worker_killed_mid_epoch_fails_the_cell_naming_it(kernel):
     kernel.ok("%%distribute\nimport os\npid = os.getpid()")
     pid = kernel.value("jupyter_scale.get_session().gather('pid')[1]")
@@ -489,6 +481,7 @@ for step in range(10_000):
 
 @on_engines(ENGINES)
 def test_worker_dying_between_cells_is_replaced(kernel):
+    kernel.ok("%%distribute --workers 2\npass")  # the cluster is up
     pid = kernel.value("jupyter_scale.get_session().workers[1]['pid']")
     psutil.Process(pid).kill()
     assert wait_gone([psutil.Process(pid)] if psutil.pid_exists(pid) else []) == []
@@ -505,6 +498,7 @@ def test_worker_dying_between_cells_is_replaced(kernel):
 
 @on_engines(ENGINES)
 def test_resize_then_stop_leaves_no_process(kernel):
+    kernel.ok("%%distribute --workers 2\npass")
     out = kernel.ok("%%distribute --workers 3\nprint('size', world_size)", timeout=120)
     assert "resizing from 2 to 3 workers" in out.stdout
     assert "[rank 2] size 3" in out.stdout
@@ -520,8 +514,9 @@ def test_resize_then_stop_leaves_no_process(kernel):
     assert "no cluster running" in kernel.ok("%scale status").stdout
 
 
-@pytest.mark.parametrize("shared_memory", [True, False])
-@on_engines(ENGINES)
+# Shared memory is the same on every engine; what goes through the engine is each engine's own.
+@pytest.mark.parametrize("kernel, shared_memory", [("ipyparallel", True), *((e, False) for e in ENGINES)],
+                         indirect=["kernel"])
 def test_big_values_travel_both_ways_through_shared_memory_or_the_engine(kernel, shared_memory):
     session = "jupyter_scale.get_session()"
     kernel.ok(f"{session}.shared_memory_enabled = {shared_memory}\n%scale restart --workers 2", timeout=120)
@@ -543,7 +538,7 @@ def test_big_values_travel_both_ways_through_shared_memory_or_the_engine(kernel,
     assert "[rank 1] again 3.0 11" in second.stdout  # the worker's own arr is unchanged: not re-sent
     if shared_memory:  # the kernel's shared memory fails (say, out of memory): the engine carries the cell
         kernel.ok(f"def full(*args, **kwargs):\n    raise OSError(28, 'No space left on device')\n"
-                  f"{session}._frames_out.pack = full\nwith torch.no_grad(): net.weight.add_(1)")
+                  f"{session}._frames_out.file.pack = full\nwith torch.no_grad(): net.weight.add_(1)")
         third = kernel.ok("%%distribute\nprint('third', float(net.weight[0, 0]))")
         assert "[rank 1] third 4.0" in third.stdout
     kernel.ok("%scale stop")

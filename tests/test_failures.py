@@ -13,9 +13,10 @@ from kernel import Kernel
 
 pytestmark = pytest.mark.cluster
 
-# Failure modes are each engine's own (how it loses, reports and ends a worker, interrupts a
-# call, keeps its logs): every engine, except where noted.
-kernel = kernel_fixture(ENGINES)
+# What the session decides after a failure is the same on every engine: the default engine. How
+# an engine loses, ends and reports its workers, escalates a stop and keeps its logs is its own:
+# those tests run on every engine (and the backend protocol's own tests, tests/test_backend_protocol.py).
+kernel = kernel_fixture(DEFAULT_ENGINES)
 
 
 def _listening_ports(processes):
@@ -109,6 +110,7 @@ dist.all_reduce(t)
 OK = "%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2\nreport(loss=t)"
 
 
+@on_engines(ENGINES)
 def test_fifty_cells_with_failures_leak_nothing(kernel):
     for code in (OK, FAILING, OK, FAILING, OK):  # warm up: every path has run once
         kernel.cell(code, timeout=60)
@@ -390,6 +392,7 @@ for _ in range(10_000):
     assert "[rank 1] fine" in kernel.ok("%%distribute\ndist.barrier()\nprint('fine')").stdout
 
 
+@on_engines(ENGINES)
 def test_a_double_interrupt_stops_every_rank_and_the_next_cell_sees_its_own_tensors(kernel):
     # Interrupts 0.3 ms apart, as an impatient double press sends them: one may land while
     # the kernel handles the other. The ranks still stop, and the next cell neither waits for
@@ -438,7 +441,6 @@ print("right")
     "m[1] = nn.Linear(4, 3)",             # a layer reshaped
     "m.double()",                         # another dtype
 ])
-@on_engines(DEFAULT_ENGINES)
 def test_a_model_whose_structure_the_cell_changed_comes_back_changed_as_locally(kernel, change):
     """Into the notebook's own model (the same object, its unchanged layers too), as the same
     cell run locally leaves it: what a new layer was drawn with differs (the ranks' seed)."""
@@ -455,6 +457,7 @@ def test_a_model_whose_structure_the_cell_changed_comes_back_changed_as_locally(
     assert kernel.value("torch.equal(m[0].weight, local[0].weight) and m[0].weight.dtype == local[0].weight.dtype")
 
 
+@on_engines(ENGINES)
 def test_processes_a_cell_left_running_stop_with_the_cluster(kernel):
     # A cell that starts a server, or forgets to join its helper process: they outlive the
     # cell, and would outlive the workers (orphans no one stops) without %scale stop's care.
@@ -478,6 +481,7 @@ left = start_and_forget()
     assert not still, f"left running by %scale stop: {still}"
 
 
+@on_engines(ENGINES)
 def test_bytes_that_are_not_utf8_in_an_engines_log_do_not_break_stop_or_restart(kernel):
     # What a cell writes to fd 1 and 2 goes to the engine's log file, which is read when
     # an engine ends (to say why); an engine that dies reads it at once.
