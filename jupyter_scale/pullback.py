@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import shipping, statesync, worker, writewatch
+from . import byvalue, shipping, statesync, worker, writewatch
 from .backends import Backend, Job
 from .export import human_size
 
@@ -61,12 +61,12 @@ class Puller:
                     self._sharded(names[0], count)
                     values = {}
                 elif kind in ("tensorflow_weights", "paddle_weights"):
-                    value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
+                    value = byvalue.loads(stream, buffers, copy=False, namespace=self.namespace)
                     set_weights(self.namespace[names[0]], value)
                     values = {}
                 elif kind == "state_dict":
                     # Copied into the notebook's model at once: no copy before.
-                    value = shipping.loads(stream, buffers, copy=False, namespace=self.namespace)
+                    value = byvalue.loads(stream, buffers, copy=False, namespace=self.namespace)
                     module = self.namespace[names[0].removeprefix(statesync.BEFORE)]
                     same, digests = header.get("state_digests", {}).get(names[0], ([], {}))
                     own = module.state_dict(keep_vars=True)
@@ -86,7 +86,7 @@ class Puller:
                     # The tensors the notebook sent are written into the notebook's own, and
                     # so is each value of the notebook's that the cell changed in place.
                     held = self.shipper.held_tensors() if held is None else held
-                    values, taken = shipping.load_values(names, stream, buffers, self.namespace, held)
+                    values, taken = byvalue.load_values(names, stream, buffers, self.namespace, held)
                     self.shipper.took_back(taken, back_tokens)
                     back_tokens = 0
                     adopt = set(returned.get("adopt", ()))
@@ -161,7 +161,7 @@ class Puller:
                                    "(the workers still hold the trained model)") from None
             finally:
                 job.release()
-            values = shipping.loads(answers[0][1], answers[0][2:], copy=False, namespace=self.namespace)
+            values = byvalue.loads(answers[0][1], answers[0][2:], copy=False, namespace=self.namespace)
             with torch.no_grad():
                 for key, value in values.items():
                     targets[key].copy_(value)

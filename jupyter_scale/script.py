@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import rendezvous, training
+from . import rendezvous, torchrun, training
 from .metrics import Recorder
 
 # How often rank 0 prints the last reported values (every point goes to the JSON lines).
@@ -153,4 +153,4 @@ def start(seed: int = 0, automatic: bool = True, output: str | os.PathLike | Non
 
 # A cell written for torchrun calls init_process_group itself: the group is up already, as
 # in a %%distribute cell, so that call does nothing. Before the script imports it by name.
-training.keep_process_group()
+torchrun.keep_process_group()

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from . import frameworks, sharding, shipping, statesync
+from . import byvalue, frameworks, sharding, statesync
+from .receiving import Receiver
 
 
 class Return:
@@ -22,7 +23,7 @@ class Return:
     Each entry of `pack`'s list is (names, kind, frame count)."""
 
     def __init__(self, request: Mapping[str, Any], snapshot: statesync.Snapshot | None, rebound: list[str], namespace: dict,
-                 receiver: shipping.Receiver) -> None:
+                 receiver: Receiver) -> None:
         self.request, self.snapshot, self.ns, self.receiver = request, snapshot, namespace, receiver
         self.pull = list(request.get("pull", []))
         changed, self.wrapped, self.now = snapshot.changed(rebound) if snapshot is not None else ([], [], {})
@@ -79,7 +80,7 @@ class Return:
     def _module(self, name: str, value: Any, values: dict, out_frames: list, tensor_frames: list) -> None:
         kind = frameworks.is_model(value)
         if kind not in ("torch", None) and (group := frameworks.formed(kind)) is not None:
-            frames = self._packed(name, value, lambda: shipping.dumps(group.weights(value), self.ns))
+            frames = self._packed(name, value, lambda: byvalue.dumps(group.weights(value), self.ns))
             if frames is not None:
                 self._add([name], f"{kind}_weights", frames, out_frames, tensor_frames)
             return
@@ -99,14 +100,14 @@ class Return:
         if name.removeprefix(statesync.BEFORE) in self.changed:  # its structure changed: whole, but for
             # the tensors the notebook holds
             state = value.state_dict(keep_vars=True)
-            same, _, _ = shipping.drop_unchanged(dict(state), notebook)
+            same, _, _ = byvalue.drop_unchanged(dict(state), notebook)
             self.same.update(id(state[key]) for key in same)
             values[name] = value
             return
         # Only what the notebook does not hold already: an unchanged model costs a hash.
         state = value.state_dict()
-        same, digests, arrays = shipping.drop_unchanged(state, notebook)
-        frames = self._packed(name, state, lambda: shipping.dumps(state, self.ns, None, arrays))
+        same, digests, arrays = byvalue.drop_unchanged(state, notebook)
+        frames = self._packed(name, state, lambda: byvalue.dumps(state, self.ns, None, arrays))
         if frames is not None:
             self._add([name], "state_dict", frames, out_frames, tensor_frames)
             self.state_digests[name] = (same, digests)
@@ -135,8 +136,8 @@ class Return:
 
         def dump(chosen: dict):
             nonlocal back
-            back = shipping.BackTokens(base) if base is not None else None
-            return shipping.dump_values(chosen, self.ns, held, named=named, same=self.same,
+            back = byvalue.BackTokens(base) if base is not None else None
+            return byvalue.dump_values(chosen, self.ns, held, named=named, same=self.same,
                                         substitute=statesync.going_back, back=back, own=own)
 
         try:
@@ -175,15 +176,15 @@ class Return:
             self.returned["left"][name] = why
 
 
-def register_back(back: dict, ns: dict, receiver: shipping.Receiver) -> None:
+def register_back(back: dict, ns: dict, receiver: Receiver) -> None:
     """Give this rank's tensors the tokens rank 0 gave its own when it sent the last cell's
     values back: the same walk over this rank's values of the same names. A rank whose values
     differ (another count of tensors) keeps none of them."""
     named = {id(statesync.unwrap(ns[n])): n for n in back["named"] if n in ns}
-    tokens = shipping.BackTokens(back["base"])
+    tokens = byvalue.BackTokens(back["base"])
     held = {id(t): token for token, t in receiver.tensors.items()}
     try:
-        shipping.dump_values({n: statesync.unwrap(ns[n]) for n in back["names"] if n in ns}, ns, held, named=named,
+        byvalue.dump_values({n: statesync.unwrap(ns[n]) for n in back["names"] if n in ns}, ns, held, named=named,
                              substitute=statesync.going_back, back=tokens, own={})
     except Exception:  # pickling raises many types; this rank's values are not rank 0's
         return

@@ -2,10 +2,11 @@
 
 The session holds the settings (traitlets: `%config ScaleSession.x = ...`) and decides;
 each concern is a module of its own that it composes: the workers' processes (cluster),
-the process group formed over them (group), one cell's wait (run, which observes and
-returns an outcome that the session applies), what travels each way (shipping, sendback,
-pullback), the frameworks' restart rules (frameworks.rules), the cells and their export
-(cellexport). Tests and UIs drive the same methods as the magics.
+the process group formed over them (group), the notebook names a cell sends (notebooknames)
+and the request that carries them (cellrequest), one cell's wait (run, which observes and
+returns an outcome), what that outcome changes (cellend), what travels each way (shipping,
+sendback, pullback, cellframes), the frameworks' restart rules (frameworks.rules), the cells
+and their export (cellexport). Tests and UIs drive the same methods as the magics.
 """
 
 from __future__ import annotations
@@ -18,35 +19,37 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from traitlets import observe
 
 from . import (
+    byvalue,
     cellexport,
-    cellnames,
+    cellrequest,
     cellstart,
     export,
     frameworks,
     jobfiles,
     metrics,
+    notebooknames,
     patches,
     pullback,
     rendezvous,
     sharedmem,
     shipping,
     sinks,
-    statesync,
     worker,
     writewatch,
 )
 from . import group as groups
 from .backends import Backend, Job
 from .backends.channel import CellChannel
+from .cellend import CellEnd, WorkerStanding
+from .cellframes import KernelFrames
 from .cluster import Cluster
 from .display import RunView, StatusLine, wants_widget
-from .errors import CellTimeout, ClusterError, DistributeError
-from .frameworks.rules import FrameworkGroups, refuse_unsafe
-from .protocol import CellReply, CellRequest
+from .errors import ClusterError, DistributeError
+from .frameworks.rules import refuse_unsafe
+from .protocol import CellRequest
 from .records import RunRecord, draw_seed
 from .run import CellRun, Interrupts, Outcome, RanksStuck, WaitLimits, interrupts_noted, stop_ranks
 from .settings import SessionSettings
@@ -65,14 +68,9 @@ class ScaleSession(SessionSettings):
         self.cluster = Cluster(self, lambda live: StatusLine(live and self._widgets()))
         self.group: groups.Group | None = None  # formed over the cluster's workers (None between clusters)
         self.runs: list[RunRecord] = []
-        self.shipper = shipping.Shipper(self.namespace, self._shippable)  # what the workers hold of the notebook's values
-        self._register_back: dict | None = None  # rank 0's tokens of the last values it sent back (see worker)
-        self._frames_out: sharedmem.SharedFrames | None = None  # the kernel's, for large frames
-        self._group_ready = False  # False once a cell cut the group: the next cell forms it anew
+        self.standing = self._new_standing()  # what the kernel knows of its workers
+        self._frames_out = KernelFrames()  # the kernel's shared-memory file, for large frames
         self._network_noted = False  # said once per cluster that gloo across hosts is unencrypted
-        self._resync = False  # a cell failed: the next automatic cell equalizes the workers' models
-        self._lost_workers: list[int] = []  # ranks whose process died: restart before reuse
-        self.frameworks = FrameworkGroups()
         self._cell: CellRun | None = None  # the running (or last) cell's wait
         self.events: metrics.EventQueue | None = None  # workers -> kernel, one per session
         # Objects told of runs and cluster changes (the JupyterLab sidebar's channel): any of
@@ -168,7 +166,7 @@ class ScaleSession(SessionSettings):
         self._notify("cluster_changed")
 
     def warm_up(self) -> None:
-        """Let the engine prepare a faster first start (its worker template); nothing fails here."""
+        """Let the engine prepare a faster first start (its fork server); nothing fails here."""
         self.cluster.warm_up()
 
     def connect(self, address: str | None = None, *, workers: int | None = None, backend: str | None = None,
@@ -201,7 +199,7 @@ class ScaleSession(SessionSettings):
 
     def stop(self) -> None:
         """Stop the embedded cluster (every process it started), or disconnect from a connected one;
-        the worker template goes too (restarts keep it), and what the kernel patched for the
+        the fork server goes too (restarts keep it), and what the kernel patched for the
         cluster (see patches: how the notebook's library objects are built stays recorded)."""
         try:
             self._shutdown()
@@ -218,9 +216,7 @@ class ScaleSession(SessionSettings):
         try:
             self.cluster.shut_down()
         finally:
-            if self._frames_out is not None:  # its memory goes with it
-                self._frames_out.close()
-                self._frames_out = None
+            self._frames_out.close()
 
     def restart(self, workers: int | None = None, launcher: str | None = None, **launcher_options: Any) -> None:
         """Fresh workers (a connected cluster: attach again, to the workers it has now); a
@@ -258,11 +254,11 @@ class ScaleSession(SessionSettings):
     def ensure(self, workers: int | None = None, launcher: str | None = None,
                launcher_options: dict | None = None) -> None:
         """A running cluster of `workers` (default: the current size, else the default)."""
-        if self.running and not self._lost_workers:
-            self._lost_workers = self.cluster.require_backend().dead_ranks()  # died between cells
+        if self.running and not self.standing.lost:
+            self.standing.lost = self.cluster.require_backend().dead_ranks()  # died between cells
         if not self.running:
             self.start(workers, launcher, **(launcher_options or {}))
-        elif self._lost_workers:
+        elif self.standing.lost:
             # A connected cluster: the workers it has now (the lost ones may never come back).
             n = workers or (None if self.connection else self.size)
             ended = self.cluster.ended()
@@ -272,7 +268,7 @@ class ScaleSession(SessionSettings):
             how = ("attaching again to the cluster's workers" if self.connection
                    else f"submitting a new Slurm job of {n} workers" if ended
                    else f"restarting the cluster with {n} workers")
-            print(f"jupyter_scale: the worker of rank(s) {self._lost_workers} is gone; {how} "
+            print(f"jupyter_scale: the worker of rank(s) {self.standing.lost} is gone; {how} "
                   "(worker variables are lost)", flush=True)
             self.restart(n)
         elif workers and workers != self.size:
@@ -280,7 +276,7 @@ class ScaleSession(SessionSettings):
             print(f"jupyter_scale: resizing from {self.size} to {workers} workers "
                   f"({how}: their variables are lost)", flush=True)
             self.restart(workers)
-        elif not self._group_ready:
+        elif not self.standing.group_ready:
             self._form_group()
 
     def status(self) -> dict:
@@ -288,11 +284,12 @@ class ScaleSession(SessionSettings):
                 "connected": self.connection is not None}
         info.update(self.cluster.describe())
         if self.running:
-            info["group"] = dict(self.group.describe() if self.group is not None else {}, ready=self._group_ready)
-            if self._group_ready:
+            info["group"] = dict(self.group.describe() if self.group is not None else {},
+                                 ready=self.standing.group_ready)
+            if self.standing.group_ready:
                 info["cells_through"] = ("the kernel's direct channel" if self._channel is not None
                                          else f"the {self.backend_name} engine")
-            info["lost"] = list(self._lost_workers)
+            info["lost"] = list(self.standing.lost)
             info["ranks"] = [dict(rank=r, **w) for r, w in enumerate(self.workers)]
         if self.runs:
             last = self.runs[-1]
@@ -302,24 +299,22 @@ class ScaleSession(SessionSettings):
 
     def _forget_workers(self) -> None:
         self._close_group()
-        self._lost_workers = []
-        self.frameworks = FrameworkGroups()
-        self.shipper = shipping.Shipper(self.namespace, self._shippable)
-        self._register_back = None
-        self._group_ready = False
-        self._resync = False
+        self.standing = self._new_standing()
+
+    def _new_standing(self) -> WorkerStanding:
+        return WorkerStanding(shipping.Shipper(self.namespace, notebooknames.shippable))
 
     def _form_group(self) -> None:
         """Lay out ranks (host, local rank, device) and initialize torch.distributed."""
         backend = self.cluster.require_backend()
-        self.frameworks.group_cut()  # their sockets go with torch's group
+        self.standing.frameworks.group_cut()  # their sockets go with torch's group
         self._close_group()
-        if self.shared_memory_enabled and sharedmem.available() and self._frames_out is None:
-            self._frames_out = sharedmem.SharedFrames(self.shared_memory_keep)
-        self.group = groups.form(backend, timeout=self.start_timeout, frames=self._frames_out,
+        if self.shared_memory_enabled:
+            self._frames_out.open(self.shared_memory_keep)
+        self.group = groups.form(backend, timeout=self.start_timeout, frames=self._frames_out.file,
                                  rendezvous_address=self.rendezvous_address, direct_channel=self.direct_channel,
                                  events=self._event_stream)
-        self._group_ready = True
+        self.standing.group_ready = True
         if self.group.hosts > 1 and not self._network_noted:
             self._network_noted = True
             print(f"jupyter_scale: the ranks span {self.group.hosts} hosts and exchange tensors (gloo) and the "
@@ -369,8 +364,8 @@ class ScaleSession(SessionSettings):
         code = self._transform(code)
         framework, names, plan = self._plan_cell(code, framework, shard)
         manual = manual or framework != "torch"  # another framework's cell uses that framework's own API
-        if self.running and not self._lost_workers:
-            why = self.frameworks.restart_reason(framework, self._group_ready)
+        if self.running and not self.standing.lost:
+            why = self.standing.frameworks.restart_reason(framework, self.standing.group_ready)
             if why:
                 print(f"jupyter_scale: {why}; restarting the workers (their variables are lost)", file=sys.stderr,
                       flush=True)
@@ -385,27 +380,35 @@ class ScaleSession(SessionSettings):
         record = RunRecord(index=len(self.runs) + 1, workers=self.size, execution_count=number, seed=seed,
                            framework=framework, started=started)
         self.runs.append(record)
-        shipment = self.shipper.prepare(plan)
+        shipment = self.standing.shipper.prepare(plan)
         record.shipped, record.skipped = dict(shipment.nbytes), list(shipment.skipped)
         if shipment.replaced:
             print(f"jupyter_scale: the notebook's {pullback.listed(shipment.replaced)} replace"
                   f"{'s' if len(shipment.replaced) == 1 else ''} the workers' own (set by an earlier "
                   "%%distribute cell; the notebook changed it since)", file=sys.stderr, flush=True)
-        request = self._request(code, record, names, plan, shipment, pull=list(pull), manual=manual, shard=shard,
-                                keep_sharded=keep_sharded, seed=seed)
-        self.frameworks.cell_started(framework)
+        events = self._event_stream()
+        run_id = events.begin(record.workers)  # from here on, late points of earlier runs are dropped
+        request = cellrequest.build(code, record, names, plan, shipment, namespace=self.namespace, standing=self.standing,
+                                    settings=self, events=(self.events_address, events.key, run_id), pull=list(pull),
+                                    manual=manual, shard=shard, keep_sharded=keep_sharded, seed=seed,
+                                    shared_memory=self.shared_memory)
+        self.standing.frameworks.cell_started(framework)
         view = RunView(self._widgets(), self.progress_interval, record, steps)
+        end = CellEnd(self.standing, record, view, shipment, plan, manual, namespace=self.namespace, settings=self,
+                      calls=self._calls, stop=self._stop_abandoned, notify=self._notify)
         if run_sinks is not None:
             self.observers.append(run_sinks)
         self._notify("run_started", record, steps)
         try:
             with interrupts_noted() as interrupts:
-                frames, request["shared_frames"] = self._pack_frames(shipment)
-                outcome, frames_back = self._wait(record, view, timeout, interrupts, request, frames)
+                frames, request["shared_frames"] = (
+                    self._frames_out.pack(shipment.frames, shipment.tensor_frames, self.backend_name)
+                    if self.shared_memory else (shipment.frames, None))
+                outcome, frames_back = self._wait(end, timeout, interrupts, request, frames)
                 # Pull-back and buffer sync are not cut half-way by an interrupt either.
                 rank0 = outcome.headers[0].get("shared_frames") if 0 in outcome.headers else None
                 with sharedmem.unpacked(frames_back.get(0, ()), rank0) as frames_back[0]:
-                    self._end_run(record, view, outcome, frames_back, shipment, plan, manual)
+                    end.apply(outcome, frames_back)
         finally:
             if run_sinks is not None:  # closed by run_finished, or here where the run broke before it
                 run_sinks.close(record.status if record.status != "running" else "failed")
@@ -418,11 +421,11 @@ class ScaleSession(SessionSettings):
     def _plan_cell(self, code: str, framework: str | None, shard: bool | dict) -> tuple[str, list[str], shipping.Plan]:
         """The cell's framework, the notebook names it reads and the plan to send them.
         Pickles before any worker runs: an unpicklable value fails here, naming it."""
-        free = self._free_names(code)
-        names = self._names_to_ship(free)
+        free = notebooknames.free_names(code)
+        names = notebooknames.to_ship(self.namespace, free)
         try:
             framework = frameworks.choose(code, self.namespace, names, framework,
-                                          self.frameworks.held(free, self.namespace))
+                                          self.standing.frameworks.held(free, self.namespace))
         except frameworks.FrameworkError as exc:
             raise DistributeError(str(exc)) from None
         if framework != "torch":
@@ -432,71 +435,22 @@ class ScaleSession(SessionSettings):
 
             paddle.pickle_parameters()
         # The plan adds the names that the notebook functions the cell calls read.
-        plan = self.shipper.plan({n: self.namespace[n] for n in names})
+        plan = self.standing.shipper.plan({n: self.namespace[n] for n in names})
         return framework, list(plan.values), plan
 
-    def _request(self, code: str, record: RunRecord, names: list[str], plan: shipping.Plan,
-                 shipment: shipping.Shipment, *, pull: list[str], manual: bool, shard: bool | dict,
-                 keep_sharded: bool, seed: int) -> CellRequest:
-        """What every rank gets to run the cell (see protocol.CellRequest)."""
-        stores, deletes = cellnames.stored_names(code)
-        # The notebook's models the cell uses, also through the notebook functions it calls.
-        modules = [n for n in names if frameworks.is_model(self.namespace[n])]
-        framework = record.framework
-        events = self._event_stream()
-        run_id = events.begin(record.workers)  # from here on, late points of earlier runs are dropped
-        return {
-            "names": shipment.names,
-            "updates": shipment.updates,
-            "forget": shipment.forget,
-            "deleted": shipment.deleted,
-            "stores": stores,
-            "deletes": deletes,
-            "code": code,
-            "filename": f"<distribute-cell-{record.index}>",
-            "modules": modules,
-            # What the notebook holds of them: rank 0 sends back only the tensors that differ.
-            "digests": {n: shipping.state_digests(self.namespace[n], plan.tensors) for n in modules
-                        if isinstance(self.namespace[n], torch.nn.Module)},
-            "pull": pull,
-            # Rank 0 sends back what the cell changed of these and what it bound (torch cells:
-            # see statesync), the values it bound up to this size in all.
-            "watch": names if framework == "torch" else None,
-            "back_base": self.shipper.next_back_token,
-            # The other ranks give their tensors the tokens rank 0 gave its own last cell.
-            "register_back": self._register_back,
-            "bring_back_bytes": self.bring_back_limit,
-            "keep_sharded": keep_sharded,
-            "auto": not manual,
-            "shard": None if shard is False or shard is None else dict(shard) if isinstance(shard, dict) else {},
-            "events": self.events_address,
-            # Signs the workers' batches: the event port is open to every local user, the
-            # engine's channel that carries this request is not.
-            "events_key": events.key,
-            "run": run_id,
-            "heartbeat": self.heartbeat_interval,
-            "resync": self._resync,
-            # Rank 0 sends the pull-back through a file of its own there.
-            "pull_through": self.shared_memory_keep if self.shared_memory else None,
-            "seed": seed,
-            "framework": framework,
-            "overlap": self.average_during_backward,
-            "write_watch": self.write_watch,
-        }
-
-    def _wait(self, record: RunRecord, view: RunView, timeout: float | None, interrupts: Interrupts,
-              request: CellRequest, frames: list) -> tuple[Outcome, dict]:
+    def _wait(self, end: CellEnd, timeout: float | None, interrupts: Interrupts, request: CellRequest,
+              frames: list) -> tuple[Outcome, dict]:
         """Send the cell and wait for every rank (see run.CellRun); whatever ends the wait
         early stops the ranks first, and fails the run."""
         try:
             job = self._calls().submit(worker.run_cell, request, *frames)
         except BaseException as exc:  # nothing runs: the run ends here, as after a broken wait
-            self._end_broken_run(view, record, exc)
+            end.broken(exc)
             raise
         self._cell = cell = CellRun(
-            job, record, view, timeout, interrupts, backend=self.cluster.require_backend(), workers=self.workers,
-            placement=self.placement, events=self.events, limits=self._wait_limits(), run_id=self._run_id(),
-            request_abort=self._request_abort, notify=self._notify)
+            job, end.record, end.view, timeout, interrupts, backend=self.cluster.require_backend(),
+            workers=self.workers, placement=self.placement, events=self.events, limits=self._wait_limits(),
+            run_id=self._run_id(), request_abort=self._request_abort, notify=self._notify)
         answered = False
         try:
             outcome = cell.wait()
@@ -504,16 +458,16 @@ class ScaleSession(SessionSettings):
             return outcome, dict(outcome.frames_back)
         except BaseException as exc:
             if isinstance(exc, RanksStuck):  # the next cell replaces their workers
-                self._lost_workers, self._group_ready = exc.ranks, False
+                self.standing.lost, self.standing.group_ready = exc.ranks, False
             # Whatever ended the wait early (an engine's error, a bug): no rank may run
             # on unseen, reading frames the next cell writes.
             answered = self._stop_abandoned(job)
-            self._end_broken_run(view, record, exc)
+            end.broken(exc)
             raise
         finally:
             job.release()
             cell.forget_answers()  # the session keeps the run's heartbeats, not what it sent back
-            self._done_with_frames(answered)
+            self._frames_out.done(answered, self.shared_memory_keep)
 
 
     @observe("write_watch")
@@ -554,8 +508,10 @@ class ScaleSession(SessionSettings):
             cell = self.cell_history.number_of(code)
         return cellexport.export_cell(
             directory, code, cell, history=self.cell_history, namespace=self.namespace, runs=self.runs,
-            transform=self._transform, names_read=lambda c: self._names_to_ship(self._free_names(c)),
-            shippable=self._shippable, workers_own=self.shipper.workers_own(), injected=worker.INJECTED_NAMES,
+            transform=self._transform,
+            names_read=lambda c: notebooknames.to_ship(self.namespace, notebooknames.free_names(c)),
+            shippable=notebooknames.shippable, workers_own=self.standing.shipper.workers_own(),
+            injected=worker.INJECTED_NAMES,
             keeper=cellstart.keeper(self), workers=workers or (self.size if self.running else self.default_workers),
             targets=targets, save_values=save_values, nodes=nodes, image=image, gpus_per_node=gpus_per_node,
             manual=manual, values_from=values_from)
@@ -565,122 +521,21 @@ class ScaleSession(SessionSettings):
         else the last %%distribute cell run."""
         return self.cell_history.distribute_cell(number)
 
-    def _done_with_frames(self, answered: bool) -> None:
-        """The cell's shared-memory file may shrink or be written again once every rank
-        answered (none reads it any more). Otherwise a rank that never answered may still
-        read it: the kernel takes a new file and leaves that one to its readers."""
-        if self._frames_out is None:
-            return
-        if answered:
-            self._frames_out.trim()
-        else:
-            self._frames_out.close()  # its memory stays while a reader maps it
-            self._frames_out = sharedmem.SharedFrames(self.shared_memory_keep)
-
     def _stop_abandoned(self, job: Job) -> bool:
         """Stop the ranks of a cell whose wait ended early; those that do not stop within
         `stop_deadline` count as lost (the next cell replaces their workers). True when
         every rank answered."""
-        stuck = stop_ranks(job, self.cluster.require_backend(), self._lost_workers, self._wait_limits(),
+        stuck = stop_ranks(job, self.cluster.require_backend(), self.standing.lost, self._wait_limits(),
                            self._run_id(), self._request_abort)
         if stuck:
-            self._lost_workers = sorted(set(self._lost_workers) | set(stuck))
-            self._group_ready = False
+            self.standing.lost = sorted(set(self.standing.lost) | set(stuck))
+            self.standing.group_ready = False
         return not stuck
-
-    def _pack_frames(self, shipment: shipping.Shipment) -> tuple[list, dict | None]:
-        """The shipment's big frames into shared memory, when the workers read it; should
-        that fail (out of memory), this cell's frames go through the engine instead."""
-        if self.shared_memory and self._frames_out is not None:
-            try:
-                return self._frames_out.pack(shipment.frames, shipment.tensor_frames)
-            except OSError as exc:
-                log.warning("shared memory failed (%s); sending through %s", exc, self.backend_name)
-        return shipment.frames, None
 
     def _wait_limits(self) -> WaitLimits:
         return WaitLimits(poll_interval=self.poll_interval, abort_grace=self.abort_grace,
                           stop_deadline=self.stop_deadline, silence_limit=self.silence_limit,
                           heartbeat_interval=self.heartbeat_interval, hang_warning=self.hang_warning)
-
-    def _end_run(self, record: RunRecord, view: RunView, outcome: Outcome, frames_back: dict,
-                 shipment: shipping.Shipment, plan: shipping.Plan, manual: bool) -> None:
-        """Apply how the cell's wait ended to the cluster, the shipper and the notebook."""
-        headers, error, lost = outcome.headers, outcome.error, outcome.lost
-        record.elapsed = time.time() - record.started
-        record.metrics.sort(key=lambda p: (p["time"], p["rank"]))
-
-        if lost:
-            # A worker process is gone: the next cell restarts the cluster.
-            self._lost_workers = sorted(lost)
-            self._group_ready = False
-        if not lost and all(h.get("received") for h in headers.values()):
-            self.shipper.commit(shipment)
-            self._register_back = None
-        else:
-            self.shipper.discard()  # some rank may not hold the new values: send again
-        # Names the cell bound on the workers are theirs until the notebook writes them
-        # (the pull-back below makes pulled names the notebook's again).
-        rebound = sorted({n for h in headers.values() for n in h.get("rebound", ()) if self._shippable(n)})
-        self.shipper.workers_rebound(rebound, plan)
-        self.frameworks.names_bound(rebound, record.framework)
-        if any(not h.get("group_ready", False) for h in headers.values()):
-            self._group_ready = False
-        if error is not None:
-            self._resync = True
-            self.frameworks.group_cut()  # their collectives were cut
-            record.status = ("timed out" if isinstance(error, CellTimeout)
-                             else "interrupted" if all(f.interrupted for f in error.failures) else "failed")
-            record.error, record.failed_rank = str(error), error.rank
-            self._finish_run(view, record)
-            if record.status == "interrupted" and outcome.user_interrupted:
-                ended = f"; the worker of rank(s) {sorted(lost)} ended, the next cell replaces it" if lost else ""
-                ended += self.frameworks.after_interrupt()
-                raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
-                                        f"and are ready for the next cell{ended}")
-            raise error
-        self._resync = self._resync and manual  # an automatic cell equalized the models
-        if not manual:
-            self._sync_buffers(headers)
-            statesync.say_disagreements(headers)
-        record.status = "finished"
-        self._finish_run(view, record)
-        if 0 in headers:
-            self._apply_pulls(headers[0], frames_back.get(0, ()), record, plan)
-            self._register_back = headers[0].get("returned", {}).get("back") or self._register_back
-
-    def _sync_buffers(self, headers: dict[int, CellReply]) -> None:
-        """Automatic mode ends a cell with rank 0's module buffers on every rank (as DDP's
-        broadcast_buffers), for the names every rank holds alike. Compared here, from the
-        ranks' answers, so that a cell without buffers costs no collective."""
-        found = [headers[r].get("buffers") for r in sorted(headers)]
-        signatures = [s for s in found if s is not None]
-        if not signatures or not signatures[0] or len(signatures) < len(found):
-            return  # no buffers on rank 0, or a rank without a process group
-        common = [n for n, sig in signatures[0].items() if all(s.get(n) == sig for s in signatures)]
-        if not common:
-            return
-        job = self._calls().submit(worker.sync_buffers, common)
-        try:
-            job.wait(self.call_timeout)
-        except DistributeError as exc:  # the next automatic cell equalizes everything
-            self._resync = True
-            print(f"jupyter_scale: could not give every rank rank 0's module buffers ({exc}); "
-                  "the next cell does", file=sys.stderr, flush=True)
-        finally:
-            job.release()
-
-    def _end_broken_run(self, view: RunView, record: RunRecord, exc: BaseException) -> None:
-        """A run that ended without every rank's answer: failed, and whatever it shipped is
-        sent again by the next cell (some rank may not hold it)."""
-        record.status, record.error = "failed", str(exc)
-        self.shipper.discard()
-        self._finish_run(view, record)
-
-    def _finish_run(self, view: RunView, record: RunRecord) -> None:
-        """Show the run's end in the cell and tell the observers (the sidebar)."""
-        view.finish(record)
-        self._notify("run_finished", record)
 
     @property
     def events_address(self) -> str:
@@ -698,47 +553,19 @@ class ScaleSession(SessionSettings):
             return self.shell.transform_cell(code)
         return code
 
-    @staticmethod
-    def _free_names(code: str) -> list[str]:
-        try:
-            return cellnames.free_names(code)
-        except SyntaxError as exc:
-            raise DistributeError(f"the cell is not valid Python: {exc}") from None
-
-    def _names_to_ship(self, free: list[str]) -> list[str]:
-        """Of the names a cell reads before it binds them, the notebook's that may travel."""
-        return [n for n in free if n in self.namespace and self._shippable(n)]
-
-    @staticmethod
-    def _shippable(name: str) -> bool:
-        """Not a name the workers set themselves, a dunder, or IPython's own."""
-        return name not in worker.INJECTED_NAMES and not name.startswith("__") and not _is_ipython_internal(name)
-
     def _run_id(self) -> str | None:
         return self.events.run if self.events is not None else None
 
     def _request_abort(self) -> None:
         if self.group is None:
             return
-        self._group_ready = False  # the group is cut: the next cell forms a new one
+        self.standing.group_ready = False  # the group is cut: the next cell forms a new one
         if self.group.store.get("addr") == rendezvous.LOOPBACK:
             return  # the loopback of the workers' host, not ours: the ranks cut each other loose
         try:
             rendezvous.request_abort(self.group.store)
         except Exception:  # the store is gone with rank 0; its peers fail on their own
             log.debug("abort request through the store failed", exc_info=True)
-
-    def _apply_pulls(self, header: CellReply, frames: Sequence, record: RunRecord,
-                     plan: shipping.Plan | None = None) -> None:
-        applying = time.perf_counter()
-        pullback.Puller(self.namespace, self.shipper, self._calls(), self.pull_chunk_bytes, self.call_timeout,
-                        self._abandon_pull, plan, self.bring_back_limit).apply(header, frames, record)
-        record.pullback_seconds = header.get("pack_seconds", 0.0) + time.perf_counter() - applying
-
-    def _abandon_pull(self, job: Job) -> None:
-        """A pull of a sharded model failed half-way: stop its ranks, form the group anew."""
-        self._stop_abandoned(job)
-        self._group_ready, self._resync = False, True
 
     def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None) -> list:
         """`fn(*args)` on each rank of `ranks` (default: every rank), outside a cell; their
@@ -755,7 +582,7 @@ class ScaleSession(SessionSettings):
         missing = [a[0]["rank"] for a in answers if a[0]["missing"]]
         if missing:
             raise KeyError(f"{name!r} is not defined on ranks {missing}")
-        return [shipping.loads(a[1], a[2:], namespace=self.namespace) for a in answers]
+        return [byvalue.loads(a[1], a[2:], namespace=self.namespace) for a in answers]
 
     def history(self, as_frame: bool = False):
         """The points the last run reported (all ranks, in time order): a list of dicts with
@@ -769,13 +596,6 @@ class ScaleSession(SessionSettings):
 def _notebook_name(namespace: dict) -> str:
     path = os.environ.get("JPY_SESSION_NAME") or str(namespace.get("__session__") or "")
     return Path(path).stem if path else "notebook"
-
-
-def _is_ipython_internal(name: str) -> bool:
-    # IPython's history and output caches (_, __, _i, _i3, _oh, In, Out, exit, ...)
-    return name in {"_", "In", "Out", "exit", "quit", "get_ipython", "_oh", "_ih", "_dh"} or (
-        name.startswith("_i") and (name[2:].isdigit() or name[2:] in {"", "i", "ii"})
-    ) or (name.startswith("_") and name[1:].isdigit())
 
 
 def _as_frame(points: list[dict]):

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import xxhash
 
-from . import shipping, writewatch
+from . import shipping, tensorbytes, writewatch
+from .namespacepickle import shared_by_identity
 
 
 def _per_rank_types() -> tuple[type, ...]:
@@ -130,7 +131,7 @@ class Snapshot:
         """id -> name of the notebook's objects the workers hold as that same object now."""
         named: dict[int, str] = {}
         for name, value in self.values.items():
-            if shipping._shared_by_identity(value, self.namespace):
+            if shared_by_identity(value, self.namespace):
                 named.setdefault(id(value), name)
         return named
 
@@ -165,7 +166,7 @@ class Snapshot:
             if name in rebound and self.namespace.get(name) is not before:
                 if unwrap(self.namespace.get(name)) is before:
                     wrapped.append(name)  # rebound to a wrapper around the same model
-                elif not shipping._shared_by_identity(before, self.namespace):
+                elif not shared_by_identity(before, self.namespace):
                     continue  # nothing else can hold it
             digest = self._digest(before, now)
             if digest is None or digest != self.digests[name]:
@@ -311,9 +312,9 @@ def replica_digests(namespace: dict, names: Iterable[str]) -> dict[str, dict]:
         if isinstance(value, torch.nn.Module):
             weights = {}
             for key, param in value.named_parameters():
-                if type(param).__name__ == "DTensor" or not shipping._shippable_tensor(param):
+                if type(param).__name__ == "DTensor" or not tensorbytes.shippable(param):
                     continue
-                weights[key] = sampled_digest(shipping._tensor_bytes(param)[0])
+                weights[key] = sampled_digest(tensorbytes.tensor_bytes(param)[0])
             found[name] = {"weights": weights}
         elif isinstance(value, torch.optim.Optimizer):
             found[name] = {"hyper": [{k: v for k, v in group.items() if isinstance(v, _PLAIN)}

@@ -1,7 +1,12 @@
-"""Explicit distribution helpers: `wrap(model)` and `shard(data)`.
+"""Automatic mode: the cell's own training loop, distributed without being rewritten.
 
-Both return their argument unchanged when no process group of more than one rank is
-running, so a cell that calls them also runs as plain local code.
+While a cell runs in automatic mode on a worker (`with AutoMode(...)`), every rank starts
+from the same seed, the DataLoaders the cell builds or receives iterate this rank's shard
+(see sampling), the gradients are averaged across ranks before each optimizer step and
+before clipping (in buckets; during backward once every rank steps alike: see overlap), and
+a DDP or FSDP model's own averaging is left to it. The patches that do it are installed
+once per worker and act only while such a cell runs; `Sharding` uses one of them for a
+--shard cell's optimizers. What automatic mode says when nothing was distributed: notes.
 """
 
 from __future__ import annotations
@@ -9,170 +14,17 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Sized
 from contextlib import contextmanager
-from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import (
-    DataLoader,
-    Dataset,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-    Subset,
-)
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from . import patches, rendezvous, sharding
 from .notes import ITERABLE, NOTHING_DISTRIBUTED, OWN_SAMPLER, SAME_BATCHES, SameGradients, sampler_chain, splits
 from .overlap import Overlap, buckets, divide_into
-
-_sharding = None  # the Sharding of the --shard cell running now
-
-# Every DDP model built on this worker: automatic mode must not average their gradients
-# a second time.
-DDP_MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-
-
-def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
-    """DistributedDataParallel around `model`, on this rank's device.
-
-    Idempotent (a DDP model is returned as is). DDP broadcasts rank 0's parameters and
-    buffers when it is built, so every rank starts from the same weights.
-    """
-    if not rendezvous.distributed() or isinstance(model, DistributedDataParallel):
-        return model
-    options = dict(ddp_options)
-    device = rendezvous.group_device()
-    if device.type == "cuda":
-        model = model.to(device)
-        ddp_options.setdefault("device_ids", [device.index])
-        ddp_options.setdefault("output_device", device.index)
-    wrapped = DistributedDataParallel(model, **ddp_options)
-    # Remembered so the worker can wrap the model again if the process group is re-formed.
-    wrapped._jupyter_scale_options = options  # type: ignore[assignment]  # torch types Module attributes as tensors or modules
-    _register_ddp(wrapped)
-    return wrapped
-
-
-class EpochAwareSampler(DistributedSampler):
-    """A DistributedSampler that advances its epoch by itself at every new pass.
-
-    Calling `set_epoch(e)` explicitly still works: the next pass uses epoch `e`.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._next_epoch = 0
-        self._explicit = False
-        self.automatic = False  # put in by automatic mode, not asked for with shard()
-
-    def pass_through(self) -> None:
-        """Stop sharding: every rank draws all of the dataset, in the same order.
-
-        For a sampler that a library's own distributing wrapper (accelerate's
-        BatchSamplerShard) splits: that split must be the only one. Same seed and epoch on
-        every rank, so the wrapper sees one order everywhere, as it expects; no padding.
-        """
-        self.num_replicas, self.rank = 1, 0
-        self.num_samples = self.total_size = len(cast(Sized, self.dataset))  # DistributedSampler needs a sized one
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self._explicit = True
-
-    def __iter__(self):
-        if not self._explicit:
-            self.epoch = self._next_epoch
-        self._explicit = False
-        self._next_epoch = self.epoch + 1
-        return super().__iter__()
-
-
-def _loader_options(loader: DataLoader) -> dict:
-    options = dict(
-        batch_size=loader.batch_size,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        options["prefetch_factor"] = loader.prefetch_factor
-    return options
-
-
-def shard(data: Any, *, shuffle: bool | None = None, seed: int = 0, drop_last: bool = False) -> Any:
-    """This rank's share of a DataLoader or Dataset.
-
-    - A DataLoader comes back as a new DataLoader with the same options over an
-      epoch-aware DistributedSampler; `shuffle` defaults to what the loader did.
-    - A map-style Dataset comes back as the `Subset` of indices rank, rank+world, ...
-      (no shuffling; shard the DataLoader to reshuffle each epoch).
-
-    The ranks' shards are disjoint and together cover the data; with `drop_last=False`
-    (the default) DistributedSampler pads the last shard by repeating a few samples so
-    every rank runs the same number of steps.
-    """
-    if not rendezvous.distributed():
-        return data
-    if _active is not None:  # the cell splits its data: automatic mode has nothing to point out
-        _active._distributed_work = True
-    if isinstance(data, DataLoader):
-        return _shard_loader(data, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    if isinstance(data, IterableDataset):
-        raise TypeError("shard() cannot split an IterableDataset: split its source by "
-                        "jupyter_scale's `rank` and `world_size` inside the dataset instead")
-    if isinstance(data, Dataset) or hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        indices: list[int] = list(DistributedSampler(data, shuffle=False, drop_last=drop_last))
-        part = Subset(data, indices)
-        part._jupyter_scale_shard = True  # type: ignore[attr-defined]  # automatic mode must not shard it again
-        return part
-    raise TypeError(f"shard() takes a DataLoader or a Dataset, not {type(data).__name__}")
-
-
-def _shard_loader(loader: DataLoader, *, shuffle: bool | None, seed: int, drop_last: bool) -> DataLoader:
-    if isinstance(loader.sampler, DistributedSampler):
-        return loader  # already sharded (by us or by the user)
-    if isinstance(loader.dataset, IterableDataset):
-        warnings.warn("shard(): a DataLoader over an IterableDataset is left as is", stacklevel=3)
-        return loader
-    if loader.batch_size is None:
-        warnings.warn("shard(): a DataLoader with a custom batch_sampler is left as is", stacklevel=3)
-        return loader
-    if shuffle is None:
-        shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = EpochAwareSampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    return DataLoader(loader.dataset, sampler=sampler, **_loader_options(loader))
-
-
-def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            loader: DataLoader | None = None, *, seed: int = 0,
-            **ddp_options: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None, DataLoader | None]:
-    """Distribute a training loop explicitly, without automatic mode's patches (for
-    `%%distribute --manual`), as Lightning Fabric's `setup` or accelerate's `prepare` do:
-
-        model, opt, loader = jupyter_scale.prepare(model, opt, loader)
-
-    returns the model in DistributedDataParallel on this rank's device (`wrap`), the
-    optimizer as it is (it steps the same parameters, which DDP averages in backward), and
-    the loader over this rank's shard (`shard`: an epoch-aware DistributedSampler seeded
-    with `seed`). Outside a distributed cell everything comes back unchanged.
-    """
-    return wrap(model, **ddp_options), optimizer, shard(loader, seed=seed) if loader is not None else None
-
-
-# --------------------------------------------------------------------------------------
-# Automatic mode: the cell's own loop, distributed without being rewritten
-# --------------------------------------------------------------------------------------
+from .sampling import EpochAwareSampler, loader_options
 
 # Gradients are averaged in buckets of about this many bytes: few collectives per step
 # (not one per parameter), none so large that the flattened copy dominates memory.
@@ -182,6 +34,12 @@ BUCKET_BYTES = 25 * 2**20
 # ~10 % of a small model's step here.
 OVERLAP_MIN_BYTES = BUCKET_BYTES
 
+
+_sharding = None  # the Sharding of the --shard cell running now
+
+# Every DDP model built on this worker: automatic mode must not average their gradients
+# a second time.
+DDP_MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
 @functools.cache
@@ -256,24 +114,30 @@ def _average_gradients(params: list[torch.Tensor], skip: set[int], extra: tuple[
 _active: AutoMode | None = None  # the automatic mode of the cell running now, if any
 # > 0 while automatic mode runs collectives that are not the cell's: resync, before the
 # cell's code (its gradient averaging needs no exclusion: that is distribution anyway).
-_own_collectives = 0
+_own_depth = 0
+
+
+def note_distributed_work() -> None:
+    """The cell distributes its work itself (`shard()`, a DDP model): nothing to point out."""
+    if _active is not None:
+        _active._distributed_work = True
 
 
 def note_collective() -> None:
     """A torch.distributed collective was called (the worker's collective marks tell us)."""
-    if _active is not None and not _own_collectives:
+    if _active is not None and not _own_depth:
         _active._distributed_work = True  # the cell combines something across ranks itself
 
 
 @contextmanager
-def _own():
-    """Collectives automatic mode runs for the cell (averaging) are not the cell's own."""
-    global _own_collectives
-    _own_collectives += 1
+def own_collectives():
+    """Collectives automatic mode runs for the cell (averaging, resync) are not the cell's own."""
+    global _own_depth
+    _own_depth += 1
     try:
         yield
     finally:
-        _own_collectives -= 1
+        _own_depth -= 1
 
 
 def _leave_split_to_wrapper(loader: DataLoader) -> None:
@@ -367,7 +231,7 @@ def _install_patches() -> None:
             if _active is not None:  # DDP averages its parameters' gradients in backward: not twice
                 _active._stop_overlap()  # before DDP's own collectives
             original_ddp_init(ddp, *args, **kwargs)
-            _register_ddp(ddp)
+            register_ddp(ddp)
 
         return ddp_init
 
@@ -403,39 +267,7 @@ def _install_patches() -> None:
         patch.install(patch_clip)
 
 
-_INIT_PROCESS_GROUP = patches.Patch(
-    "torch.distributed.distributed_c10d.init_process_group", "a cell written for torchrun calls it: a no-op while "
-    "the group exists, a new group through ours after the cell destroyed it", patches.TORCHRUN,
-    also=("torch.distributed.init_process_group",))  # where `import torch.distributed as dist` finds it
-# How a worker joins a new group through its store (worker.py): True if it did.
-_rejoin: Callable[[Any, Any], bool] | None = None
-
-
-def keep_process_group(rejoin: Callable[[Any, Any], bool] | None = None) -> None:
-    """Make torchrun-style `init_process_group()` calls work on the group we run (workers,
-    exported scripts): a no-op while the group exists; after the cell destroyed it, `rejoin
-    (backend, timeout)` forms a new one (MASTER_PORT is taken by our store, so torchrun's
-    env:// rendezvous would collide with it). Before the cell or script imports it by name."""
-    global _rejoin
-    if rejoin is not None:
-        _rejoin = rejoin
-
-    def patch(original):
-        @functools.wraps(original)  # pickles by reference, as the original
-        def init_process_group(backend=None, init_method=None, timeout=None, *args, **kwargs):
-            if dist.is_initialized():
-                return None  # the group the cell runs in
-            if (_rejoin is not None and init_method is None and kwargs.get("store") is None
-                    and _rejoin(backend, timeout)):
-                return None
-            return original(backend, init_method, timeout, *args, **kwargs)  # the user's own rendezvous
-
-        return init_process_group
-
-    _INIT_PROCESS_GROUP.install(patch)
-
-
-def _register_ddp(ddp: DistributedDataParallel) -> None:
+def register_ddp(ddp: DistributedDataParallel) -> None:
     """Track a DDP model, and whether its forward ran since the last optimizer step."""
     if ddp in DDP_MODELS:
         return
@@ -538,7 +370,7 @@ class AutoMode:
         # registered once here, not looked for at every optimizer step.
         for value in self.namespace.values():
             if isinstance(value, DistributedDataParallel):
-                _register_ddp(value)
+                register_ddp(value)
         seed_everything(self.seed)
         _active = self
         return self
@@ -580,7 +412,7 @@ class AutoMode:
         sharded = self._sampler_for(value.dataset, sampler, None, isinstance(value.sampler, RandomSampler))
         if sharded is None:
             return value
-        return DataLoader(value.dataset, sampler=sharded, **_loader_options(value))
+        return DataLoader(value.dataset, sampler=sharded, **loader_options(value))
 
     def _iterating(self, loader: DataLoader) -> None:
         """A pass over a loader begins: is this rank's share of it split off?
@@ -615,7 +447,7 @@ class AutoMode:
         if sharded:
             self._distributed_work = True  # FSDP combined them, in collectives of its own
         skip |= sharded
-        with _own():
+        with own_collectives():
             if self._overlap is not None:
                 self._overlap.catch_up()
                 skip.update(id(p) for p in params if self._overlap.holds(p))
@@ -634,7 +466,7 @@ class AutoMode:
         overlap = self._overlap
         if overlap is None or not rendezvous.distributed():
             return backward(*args, **kwargs)
-        with _own():  # the hooks' collectives are automatic mode's, not the cell's
+        with own_collectives():  # the hooks' collectives are automatic mode's, not the cell's
             return self._overlapped_backward(overlap, backward, args, kwargs)
 
     def _overlapped_backward(self, overlap, backward, args, kwargs):
@@ -662,7 +494,7 @@ class AutoMode:
         if overlap is not None:
             try:
                 if catch_up and rendezvous.distributed():
-                    with _own():
+                    with own_collectives():
                         overlap.catch_up()
             finally:
                 overlap.remove()
@@ -714,92 +546,3 @@ class AutoMode:
         for ddp in list(DDP_MODELS):
             ddp._jupyter_scale_used = False
         return None
-
-
-def _buffers(value) -> list:
-    module = _module_of(value)
-    return list(module.named_buffers()) if module is not None else []
-
-
-def buffer_signatures(namespace: dict) -> dict[str, list]:
-    """This rank's module buffers, by name: what `broadcast_buffers` would send (no bytes)."""
-    return _signatures(_named_tensors(namespace, _buffers))
-
-
-def broadcast_buffers(namespace: dict, names: list[str]) -> None:
-    """Give every rank rank 0's module buffers (BatchNorm running stats and the like).
-
-    The policy of automatic mode, as DDP's broadcast_buffers: each rank updates its
-    buffers from its own shard during the cell; at the end of the cell rank 0's win, so
-    the ranks (and the model pulled back into the notebook) hold the same values. `names`
-    are those every rank holds with the same `buffer_signatures` (the kernel compares
-    them: a cell without buffers then costs no collective at all).
-    """
-    _broadcast(_named_tensors(namespace, _buffers), names)
-
-
-def resync(namespace: dict) -> list[str]:
-    """Give every rank rank 0's models (parameters, buffers) and optimizer states.
-
-    After a failed or interrupted cell the ranks may stand a step apart (one applied an
-    optimizer step the other never reached); automatic mode runs this before the next
-    cell so that training goes on from equal states, as DDP's re-wrap does for DDP weights.
-    """
-    def state(value) -> list:
-        module = _module_of(value)
-        if module is not None:
-            return [*module.named_parameters(), *module.named_buffers()]
-        if isinstance(value, torch.optim.Optimizer):
-            params = [p for group in value.param_groups for p in group["params"]]
-            return [(f"{i}.{key}", v) for i, p in enumerate(params)
-                    for key, v in sorted(value.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
-        return []
-
-    return _broadcast_from_rank0(namespace, state)
-
-
-def _module_of(value) -> torch.nn.Module | None:
-    if isinstance(value, DistributedDataParallel):
-        value = value.module
-    return value if isinstance(value, torch.nn.Module) else None
-
-
-def _broadcast_from_rank0(namespace: dict, tensors_of) -> list[str]:
-    """Broadcast rank 0's `tensors_of(value)` (named tensors) for the namespace's values.
-
-    Only names that every rank holds with the same tensor names, shapes and dtypes take
-    part (a collective needs the same calls on every rank). Returns those names.
-    """
-    named = _named_tensors(namespace, tensors_of)
-    signatures = _signatures(named)
-    with _own():  # resync runs inside the automatic-mode cell, before the cell's code
-        everyone = rendezvous.all_gather_json(signatures, rendezvous.group_device())
-        mine = everyone[dist.get_rank()]  # as JSON made it (lists for tuples), to compare alike
-        common = [n for n in sorted(named) if all(other.get(n) == mine[n] for other in everyone)]
-        _broadcast(named, common)
-    return common
-
-
-def _named_tensors(namespace: dict, tensors_of) -> dict[str, list]:
-    named = {}
-    for name, value in namespace.items():
-        # A sharded tensor is each rank's own part (FSDP keeps them consistent), not rank 0's to give.
-        tensors = [(key, t) for key, t in tensors_of(value) if not sharding.is_sharded(t)]
-        if tensors:
-            named[name] = tensors
-    return named
-
-
-def _signatures(named: dict[str, list]) -> dict[str, list]:
-    return {name: [(k, tuple(t.shape), str(t.dtype)) for k, t in tensors] for name, tensors in named.items()}
-
-
-def _broadcast(named: dict[str, list], names: list[str]) -> None:
-    seen: set[int] = set()
-    with torch.no_grad():
-        for name in sorted(names):
-            for _, tensor in named.get(name, ()):
-                if id(tensor) in seen:  # shared by two names (a model and its submodule)
-                    continue
-                seen.add(id(tensor))
-                dist.broadcast(tensor.detach(), src=0)

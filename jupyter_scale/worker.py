@@ -3,18 +3,18 @@
 The engine calls these module-level functions with plain arguments and gets plain
 values back: `(header_dict, *frames)` where frames are the pickled payloads. Nothing here
 knows which engine carries the calls. A worker keeps one namespace across cells, as a
-kernel does, and one torch.distributed process group until it is torn down.
+kernel does, and one torch.distributed process group until it is torn down. What a cell
+goes through on the way has modules of its own: receiving (the notebook's values),
+interrupts, collectives (the one a rank waits in), training (automatic mode) and resync,
+torchrun (a cell's own init_process_group), sendback (what rank 0 answers).
 """
 
 from __future__ import annotations
 
-import ctypes
 import linecache
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 import types
@@ -25,9 +25,25 @@ from typing import Any
 
 import torch
 
-from . import frameworks, patches, rendezvous, sendback, sharding, sharedmem, shipping, statesync, training, writewatch
+from . import (
+    byvalue,
+    collectives,
+    frameworks,
+    interrupts,
+    patches,
+    rendezvous,
+    resync,
+    sendback,
+    sharding,
+    sharedmem,
+    statesync,
+    torchrun,
+    training,
+    writewatch,
+)
 from .metrics import EventSink, Recorder
 from .protocol import CellRequest, Described, Layout
+from .receiving import Receiver
 
 # Names every cell sees; they are set again before each cell so they stay truthful.
 INJECTED_NAMES = ("rank", "world_size", "local_rank", "device", "report")
@@ -52,7 +68,7 @@ class _WorkerState:
     main: types.ModuleType = field(default_factory=_main_module)
     namespace: dict = field(init=False)  # main's __dict__
     recorder: Recorder = field(default_factory=Recorder)
-    receiver: shipping.Receiver = field(init=False)
+    receiver: Receiver = field(init=False)
     store: Any = None  # this rank's handle on the group's store (see rendezvous.group_store)
     store_file: str | None = None  # the one-host group's FileStore
     master_store: Any = None  # rank 0 of a group across hosts hosts its TCPStore; it must outlive the group
@@ -63,87 +79,24 @@ class _WorkerState:
     watch: Any = None  # rendezvous.AbortWatch of the current group
     layout: Any = None  # this rank's place in the current group (protocol.Layout)
     sink: Any = None  # metrics.EventSink to the kernel's event stream
-    cell_thread: int | None = None  # the thread running a cell's code, while it may be interrupted
-    cell_run: str = ""  # the run id of the cell running now
-    collective: tuple | None = None  # (name, since) of the blocking collective the cell is in
-    failed_in: str | None = None  # the collective the cell was in when it raised
     frames_out: Any = None  # sharedmem.SharedFrames: rank 0's pull-back through shared memory
 
     def __post_init__(self) -> None:
         self.namespace = self.main.__dict__
-        self.receiver = shipping.Receiver(self.namespace)
+        self.receiver = Receiver(self.namespace)
 
 
 _state = _WorkerState()
-_interrupt_lock = threading.Lock()
-
-
-_interrupted = threading.Event()  # wakes the cell thread's time.sleep for an interrupt
-_original_sleep = time.sleep
-# An interrupt from another thread (PyThreadState_SetAsyncExc) lands only when the cell's
-# thread runs Python again: without this, a cell sleeping in a thread (Dask, Ray) would sleep on.
-_SLEEP = patches.Patch("time.sleep", "an interrupt wakes a cell that sleeps in a thread (Dask, Ray), as SIGINT "
-                       "wakes the main thread", patches.INTERRUPTS)
 
 
 def interrupt_cell(run: str | None = None) -> bool:
     """Raise KeyboardInterrupt in the thread running the cell, as SIGINT does in a main thread.
 
-    For engines that run cells in a worker thread (Dask), where a signal cannot reach
-    the cell. Called from another thread; fires at most once per cell and never between
-    cells or during a failed cell's clean-up. Like SIGINT, it takes effect when the cell's
-    thread next runs Python code, and it wakes a time.sleep of the cell; a rank blocked in
-    a collective is freed by the abort watch instead. `run`: only if the cell running is
-    that run (an interrupt held up on the way, e.g. by a network outage, must not stop a
-    later cell).
+    For engines that run cells in a worker thread (Dask), where a signal cannot reach the
+    cell; a rank blocked in a collective is freed by the abort watch instead. `run`: only
+    if the cell running is that run. See interrupts.interrupt.
     """
-    with _interrupt_lock:
-        if run is not None and run != _state.cell_run:
-            return False
-        ident, _state.cell_thread = _state.cell_thread, None
-        if ident is None:
-            return False
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
-        _interrupted.set()
-        return True
-
-
-def _interruptible_sleep(seconds: float) -> None:
-    """time.sleep, except that in a cell running off the main thread an interrupt wakes it."""
-    if _state.cell_thread is None or threading.get_ident() != _state.cell_thread:
-        return _original_sleep(seconds)
-    if seconds < 0:
-        raise ValueError("sleep length must be non-negative")
-    _interrupted.wait(seconds)
-
-
-def _sigint_in_cell(signum, frame) -> None:
-    """SIGINT handler of a worker that runs cells in its main thread (ipyparallel engines).
-
-    A KeyboardInterrupt is raised only inside the cell's code. The kernel may interrupt a
-    rank just as its cell ends: raised while the engine packs the reply, it would turn a
-    clean answer into an engine error, and the rank would count as lost.
-    """
-    if _state.cell_thread == threading.get_ident():
-        raise KeyboardInterrupt
-
-
-def _gate_sigint() -> None:
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _sigint_in_cell)
-
-
-def _cell_may_be_interrupted(yes: bool) -> None:
-    with _interrupt_lock:
-        if yes:
-            _state.cell_thread = threading.get_ident()
-            _interrupted.clear()
-            if threading.current_thread() is not threading.main_thread():
-                _SLEEP.install(lambda original: _interruptible_sleep)  # only the cell's own thread sleeps differently
-        else:
-            _state.cell_thread = None
-            # Drop an interrupt requested but not raised yet: it would hit the clean-up.
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), ctypes.c_void_p(0))
+    return interrupts.interrupt(run)
 
 
 def describe(shared_memory_probe: tuple | None = None, toward: str | None = None,
@@ -196,6 +149,7 @@ def reset() -> None:
     if _state.frames_out is not None:
         _state.frames_out.close()
     _state = _WorkerState()
+    interrupts.forget()
     # And what it patched: torch's as it was (the next session's cells put back what they use).
     # Not the engine's streams: this very call's output still goes through them.
     patches.remove_all(keep=(patches.CAPTURE,))
@@ -251,8 +205,8 @@ def join_group(layout: Layout) -> dict:
         return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     _state.group_ready = True
     _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets, on_cut=frameworks.abort_all)
-    training.keep_process_group(_rejoin)
-    _install_collective_marks()
+    torchrun.keep_process_group(_rejoin)
+    collectives.install_marks()
     rewrapped = _rewrap_stale_ddp()
     return {"rank": rank, "backend": layout["backend"], "device": str(_state.device), "rewrapped": rewrapped}
 
@@ -266,7 +220,7 @@ def _rewrap_stale_ddp() -> list[str]:
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from .training import wrap
+    from .explicit import wrap
 
     mine = sorted(n for n, v in _state.namespace.items() if isinstance(v, DistributedDataParallel))
     everyone = rendezvous.all_gather_json(mine, _state.device)
@@ -282,7 +236,7 @@ def _rewrap_stale_ddp() -> list[str]:
 
 def _rejoin(backend, timeout) -> bool:
     """A cell's `init_process_group()` after it destroyed the group: a new group through our
-    store (see training.keep_process_group); False where there is no store to join through."""
+    store (see torchrun.keep_process_group); False where there is no store to join through."""
     import torch.distributed as dist
 
     if _state.store is None:
@@ -294,54 +248,6 @@ def _rejoin(backend, timeout) -> bool:
     return True
 
 
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
-                "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-                "barrier", "gather", "scatter", "broadcast_object_list", "gather_object", "send", "recv")
-
-
-_MARKS = {name: patches.Patch(f"torch.distributed.{name}", "the heartbeat says which collective a rank waits in",
-                              patches.MARKS, also=(f"torch.distributed.distributed_c10d.{name}",))
-          for name in _COLLECTIVES}
-
-
-def _install_collective_marks() -> None:
-    """Note which blocking torch.distributed collective the cell is in, for the heartbeat.
-
-    Only the Python entry points (what cells and automatic mode call); DDP's own
-    allreduces run inside backward(), in C++, and are not marked.
-    """
-    import functools
-
-    import torch.distributed as dist
-
-    def mark(original, name):
-        def marked(*args, **kwargs):
-            training.note_collective()  # automatic mode: the cell combines across ranks itself
-            if kwargs.get("async_op") or _state.collective is not None:
-                return original(*args, **kwargs)
-            _state.collective = (name, time.time())
-            try:
-                return original(*args, **kwargs)
-            except BaseException:
-                # Freed from a collective (a peer cut the group, an interrupt): the kernel
-                # tells waiting ranks from the ones they waited for by this.
-                _state.failed_in = name
-                raise
-            finally:
-                _state.collective = None
-
-        return functools.update_wrapper(marked, original)
-
-    for name, patch in _MARKS.items():
-        if hasattr(dist, name):  # the collectives of this torch
-            patch.install(functools.partial(mark, name=name))
-
-
-def _heartbeat_status() -> dict:
-    found = _state.collective
-    return {"collective": found[0], "since": found[1]} if found else {"collective": None}
-
-
 def leave_group() -> None:
     """Cut and tear down the process group (peers blocked on us fail fast)."""
     _stop_watch()
@@ -350,19 +256,6 @@ def leave_group() -> None:
     _state.group_sockets = set()
     _state.group_ready = False
     _state.store = None
-
-
-@contextmanager
-def _sigint_ignored():
-    try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: nothing to guard
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _stop_watch() -> None:
@@ -429,17 +322,17 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
                      else nullcontext())
     if _state.device.type == "cuda":  # the current device is the thread's: the call's may be new
         torch.cuda.set_device(_state.device)
-    _gate_sigint()  # the engine (or the channel) restores its own handler once the call is answered
-    _state.cell_run = request.get("run", "")
-    sink = _connect_events(request.get("events"), request.get("events_key", ""), _state.cell_run)
-    _state.collective = _state.failed_in = None
+    interrupts.gate_sigint()  # the engine (or the channel) restores its own handler once the call is answered
+    run = request.get("run", "")
+    sink = _connect_events(request.get("events"), request.get("events_key", ""), run)
+    collectives.cell_started()
     if sink is not None:
         sink.heartbeat_interval = request.get("heartbeat", 0.0)
-        sink.heartbeat_status = _heartbeat_status
+        sink.heartbeat_status = collectives.heartbeat_status
     if sink is not None:
         sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
     try:
-        _cell_may_be_interrupted(True)
+        interrupts.cell_may_be_interrupted(True, run)
         with mode, sharding_cell:
             _state.receiver.device = _state.device
             # Another framework's group first: TensorFlow's must exist before any TensorFlow op,
@@ -454,7 +347,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             _state.namespace.update(shipped)
             received = True
             if auto and request.get("resync"):  # the last cell failed: ranks may stand a step apart
-                training.resync(_state.namespace)
+                resync.resync(_state.namespace)
             if auto and request.get("shard") is not None:  # --shard: the notebook's models the cell uses
                 sharding.shard_models(_state.namespace, request.get("modules", []), request["shard"],
                                       _state.receiver.replace)
@@ -469,17 +362,17 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             sharding.reshard(_state.namespace)  # an evaluation at the end leaves whole weights out
             if auto and rendezvous.distributed():  # the cell may have destroyed the group
                 # The kernel compares every rank's and asks for `sync_buffers` if any.
-                buffers = training.buffer_signatures(_state.namespace)
+                buffers = resync.buffer_signatures(_state.namespace)
                 # And these, to say where the ranks' models or optimizers drifted apart.
                 bound = _bound_by_cell(before, request)
                 replicas = statesync.replica_digests(_state.namespace, {*(request.get("watch") or ()), *bound})
-        _cell_may_be_interrupted(False)
+        interrupts.cell_may_be_interrupted(False)
     except BaseException as exc:  # noqa: B036 - a worker must answer whatever happened
-        _cell_may_be_interrupted(False)
+        interrupts.cell_may_be_interrupted(False)
         failed_at = time.time()
         # A second SIGINT (the kernel interrupts every rank still running) must not cut
         # the clean-up short: this rank answers, with its group cut, whatever comes.
-        with _sigint_ignored():
+        with interrupts.sigint_ignored():
             try:
                 leave_group()
             except Exception:  # a broken group: still answer
@@ -492,9 +385,9 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             "traceback": _user_traceback(exc),
             "time": failed_at,
             "interrupted": isinstance(exc, KeyboardInterrupt),
-            "collective": _state.failed_in,
+            "collective": collectives.failed_in(),
         }
-        with _sigint_ignored():
+        with interrupts.sigint_ignored():
             counts = _close_events(sink, "failed", error=failure["etype"])
             rebound = _rebound(before) if before is not None else []
             if snapshot is not None:  # what the cell changed before it failed is the workers' own now
@@ -579,7 +472,7 @@ def _bound_by_cell(before: dict[str, int], request: CellRequest) -> list[str]:
 
 def sync_buffers(names: list[str]) -> None:
     """Rank 0's module buffers of `names` to every rank (automatic mode, after a cell)."""
-    training.broadcast_buffers(_state.namespace, names)
+    resync.broadcast_buffers(_state.namespace, names)
 
 
 def whole_tensors(name: str, keys: list[str]) -> tuple:
@@ -588,14 +481,14 @@ def whole_tensors(name: str, keys: list[str]) -> tuple:
     value = sharding.whole_tensors(_state.namespace[name], keys)
     if _state.rank != 0:
         return ({"rank": _state.rank},)
-    return ({"rank": 0}, *shipping.dumps(value, _state.namespace)[0])
+    return ({"rank": 0}, *byvalue.dumps(value, _state.namespace)[0])
 
 
 def gather_value(name: str) -> tuple:
     """This worker's value of `name` (for Session.gather)."""
     if name not in _state.namespace:
         return ({"rank": _state.rank, "missing": True},)
-    return ({"rank": _state.rank, "missing": False}, *shipping.dumps(_state.namespace[name], _state.namespace)[0])
+    return ({"rank": _state.rank, "missing": False}, *byvalue.dumps(_state.namespace[name], _state.namespace)[0])
 
 
 def _connect_events(address: str | None, key: str, run: str) -> EventSink | None:

@@ -256,7 +256,7 @@ class WriteWatch:
             self._trusted = start and not pinned
 
     def digest(self, tensor: torch.Tensor, array: np.ndarray) -> bytes:
-        """The digest of `array`, the bytes of `tensor` (shipping's `_tensor_bytes`)."""
+        """The digest of `array`, the bytes of `tensor` (tensorbytes.tensor_bytes)."""
         span = self._span(tensor, array)
         if span is None or not self._trusted:
             self.hashed_bytes += array.nbytes

@@ -13,6 +13,7 @@ import torch
 
 from conftest import COUNT_AVERAGING
 from jupyter_scale import libraries, shipping
+from jupyter_scale.receiving import Receiver
 from jupyter_scale.training import ITERABLE, NOTHING_DISTRIBUTED, OWN_SAMPLER, SAME_BATCHES
 
 NOTEBOOK = """
@@ -378,7 +379,7 @@ def shipped(namespace: dict, names: list[str]) -> dict:
     shipment = shipper.prepare(shipper.plan({name: namespace[name] for name in names}))
     WORLD["size"] = 2
     try:
-        return shipping.Receiver({}).receive({"names": shipment.names}, tuple(shipment.frames))
+        return Receiver({}).receive({"names": shipment.names}, tuple(shipment.frames))
     finally:
         WORLD["size"] = 1
 

@@ -145,16 +145,17 @@ def test_init_process_group_has_one_patch_for_workers_and_scripts_and_marks_go_t
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    import jupyter_scale.collectives as collectives
     import jupyter_scale.script  # noqa: F401  (a script's import installs it)
-    import jupyter_scale.training as training
+    import jupyter_scale.torchrun as torchrun
     import jupyter_scale.worker as worker
 
     patches.remove_all([patches.TORCHRUN, patches.MARKS])
     init, all_reduce = dist.init_process_group, dist.all_reduce
     assert c10d.init_process_group is init and c10d.all_reduce is all_reduce
-    training.keep_process_group()
-    training.keep_process_group(worker._rejoin)
-    worker._install_collective_marks()
+    torchrun.keep_process_group()
+    torchrun.keep_process_group(worker._rejoin)
+    collectives.install_marks()
     assert dist.init_process_group is c10d.init_process_group is not init
     assert dist.init_process_group.__wrapped__ is init and dist.all_reduce is c10d.all_reduce is not all_reduce
     targets = [r.target for r in patches.installed() if r.feature in (patches.TORCHRUN, patches.MARKS)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jupyter_scale import sharedmem, shipping
+from jupyter_scale.receiving import Receiver
 
 pytestmark = pytest.mark.skipif(not sharedmem.available(), reason="no memfd_create or /proc")
 
@@ -68,7 +69,7 @@ def test_a_pack_that_fails_frees_what_it_wrote():
 
 
 def test_receiver_copies_tensor_frames_out_of_the_mapping():
-    shipper, receiver = shipping.Shipper(), shipping.Receiver()
+    shipper, receiver = shipping.Shipper(), Receiver()
     model = torch.nn.Linear(1024, 512)
     out = sharedmem.SharedFrames()
     for step in range(2):

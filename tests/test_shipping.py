@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_scale import cellnames, shipping
+from jupyter_scale import byvalue, cellnames, shipping, tensorbytes, writewatch
 from jupyter_scale.errors import ShippingError
+from jupyter_scale.receiving import Receiver
 
 
 @pytest.mark.parametrize(
@@ -49,7 +50,7 @@ class Link:
 
     def __init__(self):
         self.shipper = shipping.Shipper()
-        self.receiver = shipping.Receiver()
+        self.receiver = Receiver()
         self.namespace = {}
 
     def send(self, **values):
@@ -214,7 +215,7 @@ def pull_back(shipper, plan, module, trained):
     """What Puller.apply does with rank 0's state dict `trained`: load what differs,
     then record that the workers hold what the notebook now does."""
     state = trained.state_dict()
-    same, digests, _ = shipping.drop_unchanged(state, shipping.state_digests(module, plan.tensors))
+    same, digests, _ = byvalue.drop_unchanged(state, byvalue.state_digests(module, plan.tensors))
     own = module.state_dict(keep_vars=True)
     state.update((key, own[key]) for key in same)
     with torch.no_grad():
@@ -265,20 +266,20 @@ def test_rank_0_sends_back_only_the_state_it_does_not_share_with_the_notebook():
 
     notebook = Tied()
     planned = shipping.Shipper({"m": notebook}).plan({"m": notebook})
-    digests = shipping.state_digests(notebook, planned.tensors)
+    digests = byvalue.state_digests(notebook, planned.tensors)
     assert set(digests) == set(notebook.state_dict())
     workers = Tied()
     workers.load_state_dict(notebook.state_dict())
     with torch.no_grad():
         workers.norm.bias.add_(1)  # changed; the tied weights are not
     state = workers.state_dict()
-    same, hashed, _ = shipping.drop_unchanged(state, digests)
+    same, hashed, _ = byvalue.drop_unchanged(state, digests)
     assert sorted(same) == ["embed.weight", "head.weight", "norm.weight"] and list(state) == ["norm.bias"]
     assert hashed["embed.weight"] == hashed["head.weight"] == digests["embed.weight"][0]
     # The same bytes under another dtype are not the same value.
     half = {"norm.weight": workers.norm.weight.detach().to(torch.float16)}
-    assert shipping.drop_unchanged(half, {"norm.weight": (shipping._digest(shipping._tensor_bytes(half["norm.weight"])[0]),
-                                                          "float32", (4,))})[0] == []
+    assert byvalue.drop_unchanged(half, {"norm.weight": (writewatch.digest(tensorbytes.tensor_bytes(half["norm.weight"])[0]),
+                                                         "float32", (4,))})[0] == []
 
 
 def test_unserializable_value_names_the_variable():
@@ -290,9 +291,9 @@ def test_unserializable_value_names_the_variable():
 
 def test_by_value_frames_roundtrip():
     state = torch.nn.Linear(3, 2).state_dict()
-    frames, tensor_frames = shipping.dumps({"state": state, "n": 3, "array": np.arange(4)})
+    frames, tensor_frames = byvalue.dumps({"state": state, "n": 3, "array": np.arange(4)})
     assert tensor_frames == [False, True, True, False]  # weight, bias; the numpy array's buffer is not a tensor
-    back = shipping.loads(frames[0], [bytes(f) for f in frames[1:]])
+    back = byvalue.loads(frames[0], [bytes(f) for f in frames[1:]])
     assert back["n"] == 3 and all(torch.equal(back["state"][k], v) for k, v in state.items())
     assert back["array"].tolist() == [0, 1, 2, 3]
 
@@ -310,7 +311,7 @@ class NotebookLink:
         exec(source, self.notebook)
         self.shipper = shipping.Shipper(self.notebook)
         self.worker: dict = {"__name__": "__main__"}
-        self.receiver = shipping.Receiver(self.worker)
+        self.receiver = Receiver(self.worker)
 
     def send(self, *names):
         plan = self.shipper.plan({n: self.notebook[n] for n in names})
@@ -378,9 +379,9 @@ def test_a_name_only_the_workers_had_is_replaced_when_the_notebook_defines_it():
 def test_pulled_values_resolve_functions_in_the_notebook():
     worker = {"__name__": "__main__"}
     exec("scale = 2\ndef double(x):\n    return x * scale\n", worker)
-    frames, _ = shipping.dumps(worker["double"], worker)
+    frames, _ = byvalue.dumps(worker["double"], worker)
     notebook = {"scale": 10}
-    back = shipping.loads(frames[0], frames[1:], namespace=notebook)
+    back = byvalue.loads(frames[0], frames[1:], namespace=notebook)
     assert back.__globals__ is notebook and back(1) == 10
 
 
@@ -456,8 +457,8 @@ def test_a_pulled_optimizer_holds_the_notebook_models_parameters():
     worker_model(torch.ones(1, 4)).sum().backward()
     worker_optimizer.step()
     held = {id(t): token for token, t in link.receiver.tensors.items()}
-    frames, _ = shipping.dumps({"optimizer": worker_optimizer}, link.worker, held)
-    back = shipping.loads(frames[0], frames[1:], namespace=link.notebook, held=link.shipper.held_tensors())
+    frames, _ = byvalue.dumps({"optimizer": worker_optimizer}, link.worker, held)
+    back = byvalue.loads(frames[0], frames[1:], namespace=link.notebook, held=link.shipper.held_tensors())
     weight = link.notebook["model"].weight
     assert back["optimizer"].param_groups[0]["params"][0] is weight
     assert torch.equal(weight, worker_model.weight)  # the worker's step, in the notebook's model

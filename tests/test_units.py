@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import jupyter_scale
-from jupyter_scale import metrics, rendezvous, training
+from jupyter_scale import metrics, rendezvous, sampling
 from jupyter_scale.display import LineLabeler
 from jupyter_scale.errors import RankFailure, RemoteError
 
@@ -27,13 +27,13 @@ def test_helpers_are_no_ops_outside_distribute():
 
 def test_epoch_aware_sampler_reshuffles_each_pass_and_honours_set_epoch():
     data = list(range(20))
-    sampler = training.EpochAwareSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler = sampling.EpochAwareSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
     first, second = list(sampler), list(sampler)
     assert first != second  # a new pass is a new epoch
     sampler.set_epoch(0)
     assert list(sampler) == first  # explicit set_epoch wins
     assert list(sampler) == second  # ...and counting resumes after it
-    other = training.EpochAwareSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    other = sampling.EpochAwareSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
     assert sorted(first + list(other)) == data  # disjoint shards covering the data
 
 

@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from jupyter_scale import shipping, writewatch
+from jupyter_scale import tensorbytes, writewatch
 
 MIB = 1 << 20
 EDGE = writewatch.EDGE
@@ -35,14 +35,14 @@ def watch():
 
 
 def digest(watch, tensor):
-    array, _ = shipping._tensor_bytes(tensor)
+    array, _ = tensorbytes.tensor_bytes(tensor)
     with watch.digest_pass():
         return watch.digest(tensor, array)
 
 
 def fresh_digest(tensor):
-    array, _ = shipping._tensor_bytes(tensor)
-    return shipping._digest(array)
+    array, _ = tensorbytes.tensor_bytes(tensor)
+    return writewatch.digest(array)
 
 
 WRITES = {
@@ -141,9 +141,9 @@ def test_unprivileged_users_get_it(tmp_path):
     nothing needs root."""
     if os.geteuid() != 0:
         pytest.skip("needs root to play another user")
-    script = ("import torch; from jupyter_scale import writewatch, shipping\n"
+    script = ("import torch; from jupyter_scale import writewatch, tensorbytes\n"
               "w = writewatch.WriteWatch()\n"
-              "t = torch.zeros(1 << 19); a, _ = shipping._tensor_bytes(t)\n"
+              "t = torch.zeros(1 << 19); a, _ = tensorbytes.tensor_bytes(t)\n"
               "with w.digest_pass(): d = w.digest(t, a)\n"
               "t[5] = 1\n"
               "with w.digest_pass(): print(w.watching, d != w.digest(t, a))\n")
@@ -397,7 +397,7 @@ def test_memory_pinned_during_a_pass_is_not_trusted_after_it(watch, mapped, ring
     tensor.fill_(1)
     assert pinned_kib() == 0  # else nothing is trusted and this shows nothing
     digest(watch, tensor)
-    array, _ = shipping._tensor_bytes(tensor)
+    array, _ = tensorbytes.tensor_bytes(tensor)
     with watch.digest_pass():
         ring.pin(address, 4 * MIB)
         watch.digest(tensor, array)  # scans and protects the pinned pages again

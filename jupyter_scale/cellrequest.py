@@ -1,0 +1,65 @@
+"""What every rank gets to run a cell: the `protocol.CellRequest` the session sends with
+`worker.run_cell`, put together from the cell, its plan and shipment (shipping), what the
+kernel knows of its workers (cellend.WorkerStanding) and the session's settings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import byvalue, cellnames, frameworks
+from .cellend import WorkerStanding
+from .protocol import CellRequest
+from .records import RunRecord
+from .settings import SessionSettings
+from .shipping import Plan, Shipment
+
+
+def build(code: str, record: RunRecord, names: list[str], plan: Plan, shipment: Shipment, *, namespace: dict,
+          standing: WorkerStanding, settings: SessionSettings, events: tuple[str, str, str], pull: list[str],
+          manual: bool, shard: bool | dict, keep_sharded: bool, seed: int, shared_memory: bool) -> CellRequest:
+    """The request of the cell `code` (run `record`), which reads the notebook's `names`.
+    `events`: where the workers send its events, the key that signs them, and the run's id."""
+    stores, deletes = cellnames.stored_names(code)
+    # The notebook's models the cell uses, also through the notebook functions it calls.
+    modules = [n for n in names if frameworks.is_model(namespace[n])]
+    framework = record.framework
+    address, key, run_id = events
+    return {
+        "names": shipment.names,
+        "updates": shipment.updates,
+        "forget": shipment.forget,
+        "deleted": shipment.deleted,
+        "stores": stores,
+        "deletes": deletes,
+        "code": code,
+        "filename": f"<distribute-cell-{record.index}>",
+        "modules": modules,
+        # What the notebook holds of them: rank 0 sends back only the tensors that differ.
+        "digests": {n: byvalue.state_digests(namespace[n], plan.tensors) for n in modules
+                    if isinstance(namespace[n], torch.nn.Module)},
+        "pull": pull,
+        # Rank 0 sends back what the cell changed of these and what it bound (torch cells:
+        # see statesync), the values it bound up to this size in all.
+        "watch": names if framework == "torch" else None,
+        "back_base": standing.shipper.next_back_token,
+        # The other ranks give their tensors the tokens rank 0 gave its own last cell.
+        "register_back": standing.register_back,
+        "bring_back_bytes": settings.bring_back_limit,
+        "keep_sharded": keep_sharded,
+        "auto": not manual,
+        "shard": None if shard is False or shard is None else dict(shard) if isinstance(shard, dict) else {},
+        "events": address,
+        # Signs the workers' batches: the event port is open to every local user, the
+        # engine's channel that carries this request is not.
+        "events_key": key,
+        "run": run_id,
+        "heartbeat": settings.heartbeat_interval,
+        "resync": standing.resync,
+        # Rank 0 sends the pull-back through a file of its own there.
+        "pull_through": settings.shared_memory_keep if shared_memory else None,
+        "seed": seed,
+        "framework": framework,
+        "overlap": settings.average_during_backward,
+        "write_watch": settings.write_watch,
+    }
