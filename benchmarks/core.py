@@ -27,7 +27,7 @@ import time
 import ipyparallel as ipp
 import torch
 
-from jupyter_scale.backends.ipyparallel import HEARTBEAT_MS
+from jupyter_scale.backends.ipyparallel_cluster import HEARTBEAT_MS
 from jupyter_scale.session import Session
 
 

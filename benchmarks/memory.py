@@ -15,8 +15,8 @@ once its ranks have trained and are still alive with everything they hold:
   dask         `%%distribute --workers 2` (automatic mode, the loop unchanged; `--backend dask`
                for Dask). The workers keep the cell's namespace, so after the cell they hold what
                torchrun's waiting ranks hold. Measured: every process the kernel started (all its
-               descendants: the worker template, ipyparallel's controller and the processes it
-               forks, the engines and their nannies; Dask's workers and multiprocessing's resource tracker, where the
+               descendants: multiprocessing's fork server and resource tracker, ipyparallel's controller and
+               the processes it forks, the engines and their nannies; Dask's workers, where the
                scheduler and the nannies are objects in the kernel), each labelled by role from
                its command line. The kernel itself is not part of the cluster's tree: it is
                reported apart, before the cluster started (torch imported, the data built) and
@@ -181,17 +181,18 @@ def memory_files(pid: int) -> dict[int, int]:
 def classify(cmd: str, parent_cmd: str, tree: str, grandparent_cmd: str = "",
              child_cmds: tuple[str, ...] = ()) -> tuple[str, bool]:
     """(role, whether it is a rank that trains), from a process's command line and its
-    parent's; for forks of the worker template (which show its command line), from where
-    they are in the tree."""
-    from jupyter_scale import programs
-
-    template = programs.path("worker_template")  # its forks show its command line
-    if template in cmd:
-        if template not in parent_cmd:
-            return "worker template (the controller and engines are its forks)", False
+    parent's; for forks of multiprocessing's fork server (which show its command line), from
+    where they are in the tree."""
+    server = "multiprocessing.forkserver"  # its forks show its command line
+    if server in cmd:
+        if server not in parent_cmd:
+            forks = "the Dask workers are" if tree == "dask" else "the controller and engines are"
+            return f"multiprocessing fork server ({forks} its forks)", False
+        if tree == "dask":
+            return "Dask worker (a rank; a fork of the fork server; its nanny is in the kernel)", True
         if any("ipyparallel.engine.nanny" in c for c in child_cmds):
             return "engine (a rank)", True
-        if template in grandparent_cmd:  # forked by the controller
+        if server in grandparent_cmd:  # forked by the controller
             return "controller's forked schedulers + heart monitor", False
         return "controller (hub)", False
     if tree == "torchrun":
@@ -207,10 +208,6 @@ def classify(cmd: str, parent_cmd: str, tree: str, grandparent_cmd: str = "",
         if "ipyparallel.controller.app" in parent_cmd:  # forked by the controller: the same command line
             return "controller's forked schedulers + heart monitor", False
         return "controller (hub)", False
-    if "multiprocessing.forkserver" in cmd and tree == "dask":
-        if "multiprocessing.forkserver" in parent_cmd:
-            return "Dask worker (a rank; a fork of the fork server; its nanny is in the kernel)", True
-        return "multiprocessing fork server (the Dask workers are its forks)", False
     if "multiprocessing.spawn" in cmd and tree == "dask":
         return "Dask worker (a rank; its nanny is in the kernel)", True
     if "multiprocessing.resource_tracker" in cmd:

@@ -21,10 +21,10 @@ from .errors import (
     WorkerDied,
     WorkerLost,
 )
+from .explicit import prepare, shard, wrap
 from .libraries import rebuild_on_workers
 from .metrics import report
 from .sharding import shard_model
-from .training import prepare, shard, wrap
 
 _session = None
 
@@ -71,7 +71,7 @@ def load_ipython_extension(ip) -> None:
     session = get_session()
     session.record_cells()  # what %scale export slices
     cellstart.attach(session)  # and where each cell started, while ScaleSession.export_keep_start is on
-    session.warm_up()  # the engine's worker template starts importing while the user works
+    session.warm_up()  # the engine's fork server starts importing while the user works
     ip.register_magics(ScaleMagics(ip, session))
     if not any(isinstance(o, SidebarChannel) for o in session.observers):
         SidebarChannel(session).register(ip)  # the JupyterLab sidebar, where a frontend is attached

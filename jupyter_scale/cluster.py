@@ -38,7 +38,7 @@ class Cluster:
         self.placement: launchers.Launcher | None = None
         self.launch: tuple[str, dict] | None = None
         self.helpers: set = set()  # processes the cluster's own processes started (psutil)
-        self.warmed_up: str | None = None  # the engine whose warm_up ran (its worker template may be running)
+        self.warmed_up: str | None = None  # the engine whose warm_up ran (its fork server may be running)
 
     @property
     def running(self) -> bool:
@@ -87,6 +87,7 @@ class Cluster:
             line.say(f"jupyter_scale: starting {n} {settings.backend_name} workers with {how} (the kernel's "
                      f"{backend.hub} at {placement.listen_address()}) ...")
         try:
+            backend.check_launcher(placement)
             backend.start(n, timeout=settings.start_timeout, launcher=placement)
         except BaseException:
             _release(placement)
@@ -126,7 +127,7 @@ class Cluster:
         self.helpers = set(descendants(backend.local_processes()))
 
     def warm_up(self) -> None:
-        """Let the engine prepare a faster first start (its worker template), unless this
+        """Let the engine prepare a faster first start (its fork server), unless this
         session's workers are not local or the engine cannot be loaded: nothing fails here."""
         settings = self.settings
         if self.connection is not None or (self.launch or (settings.launcher, {}))[0] != "local":
@@ -187,7 +188,7 @@ class Cluster:
                 and self.require_backend().replaces_workers)
 
     def forget(self) -> None:
-        """After stop: no connection, no launch options, no worker template."""
+        """After stop: no connection, no launch options, no fork server."""
         forkserver.close_all()
         self.connection = None
         self.launch = None

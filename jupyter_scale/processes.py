@@ -11,7 +11,7 @@ watch that ends a cluster's processes and removes its files when the kernel dies
   kernel's watcher ends those processes and every process they started, cancels those jobs
   and removes those files;
   `Watch.close()` forgets them once the kernel stopped the cluster itself. `kernel_watch()`
-  is the group of what the kernel keeps across clusters (the worker template, the group's
+  is the group of what the kernel keeps across clusters (the fork server, the group's
   store directories).
 
 The watcher is one process per kernel, started with the first process registered: this

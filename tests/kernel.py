@@ -136,9 +136,9 @@ class Kernel:
         return ast.literal_eval(result.stdout.strip().splitlines()[-1])
 
     def descendants(self) -> list:
-        """Live processes started (directly or not) by the kernel process, but its worker
-        template or fork server itself (started at %load_ext, ended by %scale stop; the
-        workers forked from it count) and its watcher (jupyter_scale.processes: lives as long
+        """Live processes started (directly or not) by the kernel process, but its fork server
+        itself (started at %load_ext, ended by %scale stop; the workers forked from it count)
+        and its watcher (jupyter_scale.processes: lives as long
         as the kernel)."""
         import psutil
 
@@ -147,7 +147,7 @@ class Kernel:
         except psutil.NoSuchProcess:
             return []
         return [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                and not _is_resource_tracker(p) and not _is_worker_template(p, self.pid)]
+                and not _is_resource_tracker(p) and not _is_fork_server_or_watcher(p, self.pid)]
 
     def shutdown(self) -> None:
         try:
@@ -156,19 +156,18 @@ class Kernel:
             self.manager.shutdown_kernel(now=False)
 
 
-def _is_worker_template(process, kernel: int) -> bool:
-    """The kernel's child running a template's program (its forks show the same command line)."""
+def _is_fork_server_or_watcher(process, kernel: int) -> bool:
+    """The kernel's child that is multiprocessing's fork server (the workers are its forks) or
+    the kernel's watcher (jupyter_scale.processes)."""
     import psutil
 
-    from jupyter_scale import processes, programs
+    from jupyter_scale import processes
 
     try:
         if process.ppid() != kernel:
             return False
         command = process.cmdline()
-        # Ours (ipyparallel's engines), multiprocessing's fork server (Dask's workers), the watcher.
-        return (command[1:2] == [programs.path("worker_template")] or processes.__file__ in command
-                or "from multiprocessing.forkserver import main" in command[-1])
+        return processes.__file__ in command or "from multiprocessing.forkserver import main" in command[-1]
     except (psutil.Error, IndexError):
         return False
 

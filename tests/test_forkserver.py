@@ -1,8 +1,8 @@
-"""Workers forked from the kernel's template (jupyter_scale/forkserver.py), on the real
-ipyparallel engine, and from multiprocessing's fork server on Dask: they are forks of it, they
-start like new processes, the template is replaced when it dies or the thread settings change,
-restarts keep the controller or scheduler, and nothing of it outlives `%scale stop` or the
-kernel."""
+"""Workers forked from multiprocessing's fork server (jupyter_scale/forkserver.py): on the real
+ipyparallel engine (its controller and engines, forked as programs) and on Dask (its nannies'
+workers): they are forks of it, they start like new processes, the server is replaced when it
+dies or the thread settings change, one that is unsafe to fork is not used, restarts keep the
+controller or scheduler, and nothing of it outlives `%scale stop` or the kernel."""
 
 import os
 import signal
@@ -18,19 +18,25 @@ from traitlets.config import Config
 
 from conftest import _started_kernel, wait_gone
 from jupyter_scale import forkserver, programs
-from jupyter_scale.backends import ipyparallel as ipp_backend
+from jupyter_scale.backends import ipyparallel_cluster
 from jupyter_scale.session import ScaleSession
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.skipif(not forkserver.supported(), reason="worker templates need Linux"),
+    pytest.mark.skipif(not forkserver.supported(), reason="forking workers needs Linux"),
 ]
 
 
-def _template() -> forkserver.Template:
-    found = forkserver.template(ipp_backend.TEMPLATE_PRELOAD)
-    assert found is not None and found.wait_ready(60), found and found.error
-    return found
+def _fork_server() -> psutil.Process:
+    pid = forkserver._server_pid()
+    assert pid is not None, "no fork server runs"
+    return psutil.Process(pid)
+
+
+def _ipp_server() -> psutil.Process:
+    """The fork server of ipyparallel's imports, started now if none runs, once it serves."""
+    assert forkserver.multiprocessing_server(ipyparallel_cluster.FORK_PRELOAD, os.environ, verify=60)
+    return _fork_server()
 
 
 def _worker_parents(session: ScaleSession) -> set[int]:
@@ -46,117 +52,132 @@ def session():
     forkserver.close_all()
 
 
-def test_workers_are_forks_of_the_template_and_start_as_new_processes(session, tmp_path, monkeypatch):
-    template = _template()
-    monkeypatch.chdir(tmp_path)  # the template started elsewhere: the workers run in the kernel's directory
+def test_workers_are_forks_of_the_server_and_start_as_new_processes(session, tmp_path, monkeypatch):
+    server = _ipp_server()
+    monkeypatch.chdir(tmp_path)  # the server started elsewhere: the workers run in the kernel's directory
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "the-kernels-own")])  # not a new Python's
     session.start(2)
-    assert _worker_parents(session) == {template.pid}
+    assert _worker_parents(session) == {server.pid}
     controller = session.backend.local_processes()[0]
-    assert controller.ppid() == template.pid  # the controller too
-    os.environ["JUPYTER_SCALE_T"] = "set-after-the-template"  # not a thread setting: still forked
-    try:
-        session.restart(2)
-        assert _worker_parents(session) == {template.pid}
-        session.run(textwrap.dedent("""
-            import os, sys, numpy as np
-            seen = (os.getsid(0) == os.getpid(), sys.argv[0], os.environ.get("JUPYTER_SCALE_T"), os.getcwd(),
-                    float(np.random.rand()), sys.stdin.read())
-        """), manual=True)  # automatic mode seeds every rank alike
-    finally:
-        del os.environ["JUPYTER_SCALE_T"]
+    assert controller.ppid() == server.pid  # the controller too
+    monkeypatch.setenv("JUPYTER_SCALE_T", "set-after-the-server")  # not a thread setting: still forked
+    session.restart(2)
+    assert _worker_parents(session) == {server.pid}
+    session.run(textwrap.dedent("""
+        import os, sys, numpy as np
+        seen = (os.getsid(0) == os.getpid(), sys.argv[0], os.environ.get("JUPYTER_SCALE_T"), os.getcwd(),
+                float(np.random.rand()), sys.stdin.read(), sys.path)
+    """), manual=True)  # automatic mode seeds every rank alike
     seen = session.gather("seen")
     # Each its own session leader, with the kernel's environment and directory of now, its
-    # program's file as a Python started anew, stdin at /dev/null, and NumPy's random numbers its own.
+    # program's file and sys.path as a Python started anew, stdin at /dev/null, and NumPy's
+    # random numbers its own.
     engine = programs.path("ipp_engine")
-    assert [s[:4] for s in seen] == [(True, engine, "set-after-the-template", os.getcwd())] * 2
+    assert [s[:4] for s in seen] == [(True, engine, "set-after-the-server", str(tmp_path))] * 2
     assert seen[0][4] != seen[1][4]
     assert [s[5] for s in seen] == ["", ""]
+    assert all(s[6][0] == "" and str(tmp_path / "the-kernels-own") not in s[6] for s in seen)
 
 
 def test_a_forked_workers_exit_status_is_reported(session):
-    _template()
+    _ipp_server()
     session.start(2)
     pid = session.workers[1]["pid"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while session.backend.exit_code(pid) is None:
-        assert time.monotonic() < deadline, "the template never reported the worker's end"
+        assert time.monotonic() < deadline, "the server never reported the worker's end"
         time.sleep(0.05)
     assert session.backend.exit_code(pid) == -signal.SIGKILL
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # reaped
-    session.ensure()  # the lost worker is replaced, from the template
+    session.ensure()  # the lost worker is replaced, from the server
     assert session.size == 2 and len(_worker_parents(session)) == 1
 
 
-def test_a_dead_template_is_replaced_and_its_workers_live_on(session):
-    first = _template()
+def test_a_dead_server_is_replaced_and_its_workers_live_on(session):
+    first = _ipp_server()
     session.start(2)
-    os.kill(first.pid, signal.SIGKILL)
-    first.process.wait(10)
+    first.kill()  # as the OOM killer would: nobody reaps it but the kernel
+    deadline = time.monotonic() + 10
+    while first.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     session.run("x = rank")
     assert session.gather("x") == [0, 1]  # the workers do not depend on it
     session.restart(2)
-    second = _template()
+    second = _fork_server()
     assert second.pid != first.pid and _worker_parents(session) == {second.pid}
 
 
-def test_other_thread_settings_get_a_template_of_their_own(session):
-    first = _template()
+def test_other_thread_settings_get_a_server_of_their_own(session, monkeypatch):
+    first = _ipp_server()
     session.start(2)
-    os.environ["OMP_NUM_THREADS"] = "1"  # read by OpenMP as it loads: the template's is stale
-    try:
-        session.restart(2)
-        second = _template()
-        assert second.pid != first.pid and _worker_parents(session) == {second.pid}
-        assert first.process.poll() is not None  # the stale one ended
-        session.run("import torch\nthreads = torch.get_num_threads()")
-        assert session.gather("threads") == [1, 1]
-    finally:
-        del os.environ["OMP_NUM_THREADS"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read by OpenMP as it loads: the server's is stale
+    session.restart(2)
+    second = _fork_server()
+    assert second.pid != first.pid and _worker_parents(session) == {second.pid}
+    assert wait_gone([first], timeout=10) == []  # the stale one ended
+    session.run("import torch\nthreads = torch.get_num_threads()")
+    assert session.gather("threads") == [1, 1]
 
 
-def test_a_template_whose_imports_start_threads_is_refused_and_workers_start_anew(session, tmp_path, monkeypatch):
+def test_a_server_whose_imports_start_threads_is_refused_and_workers_start_anew(session, tmp_path, monkeypatch,
+                                                                                capsys):
     (tmp_path / "starts_a_thread.py").write_text("import threading, time\n"
                                                  "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setattr(ipp_backend, "TEMPLATE_PRELOAD", [*ipp_backend.TEMPLATE_PRELOAD, "starts_a_thread"])
-    template = forkserver.template(ipp_backend.TEMPLATE_PRELOAD)
-    assert not template.wait_ready(60) and "1 threads were started by the imports" in template.error
+    monkeypatch.setattr(ipyparallel_cluster, "FORK_PRELOAD", [*ipyparallel_cluster.FORK_PRELOAD, "starts_a_thread"])
+    assert not forkserver.multiprocessing_server(ipyparallel_cluster.FORK_PRELOAD, os.environ, verify=60)
+    assert "its imports started threads" in capsys.readouterr().err
+    assert forkserver._server_pid() is None  # ended
     session.start(2)
-    assert template.pid not in _worker_parents(session)
+    assert _worker_parents(session) == {os.getpid()}  # started the usual way, by the kernel
     session.run("x = rank")
     assert session.gather("x") == [0, 1]
 
 
-def test_a_fork_that_cannot_start_and_a_stuck_template_fail_in_one_line(tmp_path):
-    template = forkserver.Template(["json"])
+def test_a_fork_that_cannot_start_fails_as_a_failed_exec_and_the_server_serves_on(tmp_path):
+    program = tmp_path / "program.py"
+    program.write_text("import sys\nprint('ran', sys.argv[1:])\nsys.exit(7)\n")
+    output = tmp_path / "out.log"
+    forkserver.close_all()
     try:
-        assert template.wait_ready(60), template.error
-        output = tmp_path / "out.log"
-        program = tmp_path / "program.py"
-        program.write_text("print('ran')\n")
-        pid = template.spawn(str(program), [], dict(os.environ), str(tmp_path / "missing"), str(output), timeout=10)
-        assert template.wait_exit(pid, 10) and template.exit_code(pid) == 127  # as a failed exec
+        forked = forkserver.fork(["json"], str(program), ["a"], dict(os.environ), str(tmp_path / "missing"),
+                                 str(output), wait=60)
+        assert forked is not None and forked.wait(10) and forked.exit_code() == 127  # as a failed exec
         assert "FileNotFoundError" in output.read_text() and "ran" not in output.read_text()
-        pid = template.spawn(str(program), [], dict(os.environ), str(tmp_path), str(output), timeout=10)
-        assert template.wait_exit(pid, 10) and template.exit_code(pid) == 0  # it serves on
+        forked = forkserver.fork(["json"], str(program), ["a"], dict(os.environ), str(tmp_path), str(output), wait=60)
+        assert forked is not None and forked.wait(10) and forked.exit_code() == 7
+        assert "ran ['a']" in output.read_text()
+        # A worker whose thread settings are not the kernel's is not forked: the caller starts it anew.
+        assert forkserver.fork(["json"], str(program), [], {**os.environ, "OMP_NUM_THREADS": "7"}, str(tmp_path),
+                               str(output), wait=60) is None
     finally:
-        template.close()
-    slow = forkserver.Template(["torch"])  # seconds of imports: not ready within 10 ms
-    try:
-        with pytest.raises(forkserver.TemplateError, match="not ready within"):
-            slow.spawn(str(program), [], dict(os.environ), str(tmp_path), str(tmp_path / "o"), timeout=0.01)
-        assert slow.refused and slow.process.wait(10) is not None  # ended, and not waited for again
-    finally:
-        slow.close()
+        forkserver.close_all()
 
 
-def test_stop_ends_the_template(session):
-    template = _template()
+def test_stop_ends_the_server(session):
+    server = _ipp_server()
     session.start(2)
     session.stop()
-    assert template.process.poll() is not None
-    assert not [p for p in psutil.Process().children() if p.pid == template.pid]
+    assert wait_gone([server], timeout=10) == []
+    assert forkserver._server_pid() is None
+
+
+@pytest.mark.parametrize("engine", ["ipyparallel", "dask"])
+def test_workers_start_anew_when_forking_is_off(engine):
+    forkserver.close_all()
+    backend = {"ipyparallel": "IPyParallelBackend", "dask": "DaskBackend"}[engine]
+    session = ScaleSession(config=Config({backend: {"fork_workers": False}}))
+    session.backend_name = engine
+    try:
+        session.warm_up()
+        session.start(2)
+        # ipyparallel's Popen or multiprocessing's spawn, from this process
+        assert _worker_parents(session) == {os.getpid()}
+        assert forkserver._server_pid() is None
+    finally:
+        session.stop()
 
 
 KERNEL = """
@@ -183,8 +204,8 @@ def test_nothing_is_left_once_the_kernel_is_killed(engine):
             assert line, "the kernel ended before its cluster started"
         pids = [int(p) for p in line.split()[1:]]
         processes = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
-        # The template, the controller and its helpers, 2 engines; or the fork server, the
-        # resource tracker and 2 Dask workers.
+        # The fork server, the resource tracker, and the controller and its helpers with 2
+        # engines, or 2 Dask workers.
         assert len(processes) >= 4, line
     finally:
         kernel.kill()
@@ -196,13 +217,13 @@ def test_nothing_is_left_once_the_kernel_is_killed(engine):
 
 
 @pytest.mark.parametrize("engine,imports", [("ipyparallel", "ipyparallel.controller.app"),
-                                            ("dask", "multiprocessing.forkserver")])
-def test_a_notebook_kernel_starts_its_template_at_load_ext(engine, imports):
+                                            ("dask", "distributed")])
+def test_a_notebook_kernel_starts_its_fork_server_at_load_ext(engine, imports):
     kernel = _started_kernel(engine)
     try:
         kernel.ok("import psutil, sys\n"
                   "children = [p.cmdline()[-1] for p in psutil.Process().children()]\n"
-                  f"assert any({imports!r} in c for c in children), children")
+                  f"assert any('multiprocessing.forkserver' in c and {imports!r} in c for c in children), children")
     finally:
         kernel.cell("%scale stop", timeout=60)
         leftovers = psutil.Process(kernel.pid).children(recursive=True)
@@ -240,22 +261,16 @@ def test_restart_resize_and_a_dead_worker_keep_the_controller_and_renew_the_work
     assert session.backend.local_processes()[0] == controller
 
 
-def test_a_cluster_of_another_engine_ends_the_template_load_ext_started(session):
+def test_a_cluster_of_another_engine_ends_the_server_load_ext_started(session):
     session.warm_up()  # as %load_ext does, for the default engine
-    template = _template()
+    first = _fork_server()
     session.backend_name = "dask"  # %%distribute --backend dask
     session.start(2)
-    assert template.process.wait(10) is not None  # its memory is not kept for nothing
-    assert not [p for p in psutil.Process().children() if p.pid == template.pid]
+    assert wait_gone([first], timeout=10) == []  # its memory is not kept for nothing
+    assert _worker_parents(session) == {_fork_server().pid}  # one with Dask's imports
 
 
 # -- Dask: multiprocessing's fork server --------------------------------------------------
-
-def _fork_server() -> psutil.Process:
-    pid = forkserver._server_pid()
-    assert pid is not None, "no fork server runs"
-    return psutil.Process(pid)
-
 
 def _worker_names(session: ScaleSession) -> set:
     return {w.get("name") for w in session.backend.client.scheduler_info(n_workers=-1)["workers"].values()}
@@ -364,18 +379,6 @@ def test_a_stranger_cannot_reach_the_fork_server(dask_session):
             print("CONNECTED")
     """)
     assert "REFUSED PermissionError" in result.stdout, result.stdout + result.stderr
-
-
-def test_dask_workers_start_anew_when_forking_is_off():
-    forkserver.close_all()
-    session = ScaleSession(config=Config({"DaskBackend": {"fork_workers": False}}))
-    session.backend_name = "dask"
-    try:
-        session.start(2)
-        assert _worker_parents(session) == {os.getpid()}  # multiprocessing's spawn, from this process
-        assert forkserver._server_pid() is None
-    finally:
-        session.stop()
 
 
 def test_a_fork_server_stuck_in_its_imports_is_ended_and_not_used(tmp_path, monkeypatch):

@@ -57,7 +57,8 @@ def test_mpi_on_dask_says_what_to_do_and_loses_nothing(kernel):
     k = kernel
     out = k.cell("%scale start --launcher mpi --backend dask --workers 2")
     assert not out.ok and out.error["ename"] == "ClusterError", out.error_text
-    assert "the mpi launcher starts ipyparallel engines" in out.error["evalue"]
+    assert out.error["evalue"] == ("dask cannot start its workers with the mpi launcher; on Dask, start the cluster "
+                                   "yourself (dask-mpi) and %scale connect to its scheduler"), out.error_text
     assert k.value("isinstance(model, nn.Module) and not jupyter_scale.get_session().running")
     k.ok("%scale start --launcher mpi --backend ipyparallel --workers 2", timeout=180)
     k.ok("%%distribute\nfrom mpi4py import MPI\nassert MPI.COMM_WORLD.Get_rank() == rank")

@@ -31,6 +31,7 @@ from traitlets.traitlets import MetaHasTraits
 
 from .. import processes
 from ..errors import ClusterError
+from ..launchers import Launcher
 from ..processes import descendants as descendants  # re-exported (the session's import)
 from ..processes import end
 from ..protocol import Output
@@ -153,6 +154,11 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
     # Connecting (see parse_address): asked last, for a host:port no other engine claims.
     fallback: bool = False
     connect_help: str = ""  # how a cluster of this engine is named to %scale connect
+    # The launchers (classes of launchers.LAUNCHERS) this engine starts workers with; `start`
+    # gets no other (see check_launcher). A new launcher is refused until an engine names it.
+    launchers: tuple[type[Launcher], ...] = (Launcher,)
+    # What a user does instead where this engine refuses a launcher (the rest of the error).
+    instead_of_launcher: str = "start the cluster yourself and %scale connect to it"
 
     cluster_options = Dict(config=True, help="Keyword arguments for the engine's own cluster when it starts one "
                                              "(ipyparallel.Cluster; Dask's LocalCluster or SLURMCluster), over "
@@ -167,13 +173,20 @@ class Backend(LoggingConfigurable, metaclass=_Configurable):
         return None
 
     def warm_up(self) -> None:  # noqa: B027
-        """Prepare what would make a later local `start` faster (a worker template), in the
+        """Prepare what would make a later local `start` faster (its fork server), in the
         background; called when the extension loads."""
 
+    def check_launcher(self, launcher: Launcher) -> None:
+        """Raise ClusterError, one line, unless this engine starts workers with `launcher`."""
+        # By exact class: every launcher is a Launcher (the local one) too.
+        if type(launcher) not in self.launchers:
+            raise ClusterError(f"{self.name} cannot start its workers with the {launcher.name} launcher; "
+                               f"{self.instead_of_launcher}")
+
     @abc.abstractmethod
-    def start(self, n: int, timeout: float, launcher: Any = None) -> None:
+    def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
         """Start a cluster of `n` workers and wait for them: local (loopback only), or where
-        `launcher` (a launchers.Launcher) says, through the engine's own launcher for it."""
+        `launcher` (one of `launchers`) says, through the engine's own launcher for it."""
 
     @property
     def replaces_workers(self) -> bool:

@@ -1,4 +1,5 @@
-"""Ray engine: an embedded one-node Ray on 127.0.0.1, or any running Ray cluster.
+"""Ray engine: an embedded one-node Ray on 127.0.0.1 (backends.ray_cluster), or any running
+Ray cluster.
 
 One actor per rank, in a placement group (all of them or none), each running one rank's calls
 in order in one thread and keeping `jupyter_scale.worker`'s state across cells. Ray does not
@@ -7,42 +8,30 @@ outbox until the kernel takes them (a long poll per actor), so they reach the ke
 it reaches the cluster, through ray:// too, and the kernel opens no port. Interrupts raise
 KeyboardInterrupt in the cell's thread (`worker.interrupt_cell`), from a method of the actor's
 "control" concurrency group, which runs beside the busy cell.
-
-The embedded cluster is `ray start --head --block` in a session of its own (a kernel interrupt
-signals the kernel's process group), tied to the kernel (processes.watch), with token
-authentication: every gRPC port of Ray's answers only peers that hold this cluster's token.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ipaddress
 import logging
 import os
-import secrets
-import shutil
-import signal
-import subprocess
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psutil
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from traitlets import Dict, Float
 
-from .. import capture, metrics, patches, processes, programs, rendezvous, worker
+from .. import capture, metrics, processes, rendezvous, worker
 from ..errors import ClusterError
 from ..launchers import Launcher
-from . import Backend, Job, WorkerCallFailed, WorkerLost, descendants, engine_errors
+from . import Backend, Job, WorkerCallFailed, WorkerLost, engine_errors
 from .base import Frames, split_frames
+from .ray_cluster import EmbeddedHead, init_driver, place_actors, refuse_second_ray, remove_actors, set_environ
 from .relay import Relay, RelayedJob
 
 log = logging.getLogger(__name__)
@@ -142,39 +131,6 @@ _Rank: Any = ray.remote(max_restarts=0, max_task_retries=0,  # type: ignore[call
 # Kernel side
 # --------------------------------------------------------------------------------------
 
-_ONE_NODE = patches.Patch("ray._private.ray_constants.ENABLE_RAY_CLUSTER", "while ray.init runs: the embedded "
-                         "cluster's ports stay on loopback", "engine ray")
-
-
-@contextlib.contextmanager
-def _one_node():
-    """Ray takes 127.0.0.1 for the machine's network address unless it runs a cluster of one
-    node (its setting for laptops): then every port of the embedded cluster, and the
-    kernel's, stays on loopback. The head gets it as RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0;
-    the kernel, whose Ray may have read the environment already, for its ray.init."""
-    with _ONE_NODE.during(lambda _: False):
-        yield
-
-
-_NO_ERROR_LISTENER = patches.Patch("ray._private.worker.listen_error_messages", "while ray.init runs: no thread "
-                                  "printing the cluster's errors into whatever cell runs", "engine ray")
-
-
-@contextlib.contextmanager
-def _as_kernel_driver():
-    """ray.init makes SIGTERM raise SystemExit, which IPython catches: the kernel would outlive
-    its manager's SIGTERM. The kernel keeps its own handler. And the driver's thread that
-    prints the cluster's error messages is not started: it prints into whatever cell runs
-    then, and what it says of our ranks (a worker died) the session says itself."""
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        with _NO_ERROR_LISTENER.during(lambda _: lambda *args: None):
-            yield
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, before)
-
-
 class _OutboxEventQueue(metrics.EventQueue):
     """The kernel's end of the metrics stream: fed by the backend's outbox reader."""
 
@@ -249,6 +205,8 @@ class RayBackend(Backend):
     creates_workers = True
     knows_exit_codes = False  # Ray reaps its actors: how_it_died gives Ray's account instead
     connect_help = "a Ray cluster (ray://HOST:10001, or with --backend ray a GCS address HOST:6379 or auto)"
+    launchers = (Launcher,)  # the local one: Ray's own tools start clusters elsewhere
+    instead_of_launcher = "for Ray, start the cluster yourself (ray start, KubeRay) and %scale connect ray://HEAD:10001"
 
     cpus_per_worker = Float(0.0, config=True, help="CPUs each rank's actor reserves; Ray gives it as many "
                                                    "threads (OMP_NUM_THREADS). 0: the embedded cluster shares "
@@ -273,12 +231,9 @@ class RayBackend(Backend):
         self._actors: list = []
         self._pids: list[int] = []
         self._group: Any = None  # the placement group
-        self._head: subprocess.Popen | None = None
-        self._scratch: str | None = None
+        self._head: EmbeddedHead | None = None
         self._watch: processes.Watch | None = None  # the embedded cluster's (see processes)
-        self._client_port = 0
         self._client_mode = False  # through Ray Client (ray://): buffers travel in band
-        self._environ: dict[str, str | None] = {}  # the kernel's variables before ours
         self._address = ""
         self._reader: threading.Thread | None = None
         self._reading = threading.Event()
@@ -287,102 +242,27 @@ class RayBackend(Backend):
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self, n: int, timeout: float, launcher: Launcher | None = None) -> None:
-        if launcher is not None and launcher.name != "local":
-            raise ClusterError(f"the {launcher.name} launcher starts ipyparallel engines; for Ray, start the cluster "
-                               "yourself (ray start, KubeRay) and %scale connect ray://HEAD:10001")
-        self._refuse_second_ray()
+        refuse_second_ray()
         deadline = time.monotonic() + timeout
         with engine_errors("could not start the embedded Ray cluster", cleanup=self.stop):
-            address = self._start_head(deadline)
-            # A token in RAY_AUTH_TOKEN (another cluster's) would win over our file: unset while ours runs.
-            self._environ = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-            _set_environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": None, "RAY_AUTH_TOKEN_PATH": self._token_file()})
-            with _one_node(), _as_kernel_driver():
-                ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}",
-                         log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)
-            self._address = address
+            self._watch = processes.watch()  # the kernel's watcher ends the cluster if the kernel dies
+            self._head = EmbeddedHead(self._watch)
+            self._address = self._head.start(deadline, {"num_cpus": os.cpu_count() or 1, **self.cluster_options})
+            init_driver(self._address)
         cores = os.cpu_count() or 1
         cpus = self.cpus_per_worker or cores / n  # Ray rounds OMP_NUM_THREADS down, to at least 1
         with engine_errors(f"could not start {n} Ray workers", cleanup=self.stop):
             self._attach(n, max(1.0, deadline - time.monotonic()), cpus)
 
-    def _refuse_second_ray(self) -> None:
-        if ray.is_initialized():
-            raise ClusterError("this kernel is already connected to Ray (ray.init): call ray.shutdown() first, "
-                               "or %scale connect to that cluster")
-
-    def _token_file(self) -> str:
-        return os.path.join(self._scratch or "", "token")
-
-    def _start_head(self, deadline: float) -> str:
-        # Ray's socket paths live under its temp directory and must stay under 108 bytes.
-        base = tempfile.gettempdir() if len(tempfile.gettempdir()) < 20 else "/tmp"
-        self._scratch = tempfile.mkdtemp(prefix="jsray-", dir=base)  # owner-only
-        # If the kernel dies, its watcher ends `ray start` and every process of Ray's, and
-        # removes this directory (the token, Ray's logs and sockets, spilled objects).
-        self._watch = processes.watch()
-        self._watch.add_path(self._scratch)
-        fd = os.open(self._token_file(), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        environ = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self._token_file(),
-                       RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-                       # As Dask's memory_limit=0: no monitor killing a rank that trains a big model.
-                       RAY_memory_monitor_refresh_ms="0")
-        environ.pop("RAY_AUTH_TOKEN", None)  # it would win over our token file
-        flags = {"num_cpus": os.cpu_count() or 1, **self.cluster_options}
-        self._client_port = rendezvous.free_port(rendezvous.LOOPBACK)
-        command = [*programs.command("ray_head"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                   "--port=0", f"--ray-client-server-port={self._client_port}",
-                   "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={os.path.join(self._scratch, 'r')}",
-                   *(f"--{key.replace('_', '-')}={value}" for key, value in flags.items())]
-        log_path = os.path.join(self._scratch, "head.log")
-        with open(log_path, "w") as out:
-            self._head = subprocess.Popen(command, env=environ, stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-        self._watch.add_processes([self._head.pid])
-        # Ray opens its own temp directory to everyone (0777): ours around it is owner-only.
-        found = os.path.join(self._scratch, "r", "ray_current_cluster")
-        while not (os.path.exists(found) and open(found).read().strip()):
-            if self._head.poll() is not None:
-                with open(log_path, errors="replace") as f:
-                    said = [line.strip() for line in f if line.strip()]
-                raise ClusterError(f"ray start exited with status {self._head.returncode}: "
-                                   f"{said[-1] if said else 'no output'}")
-            if time.monotonic() > deadline:
-                raise ClusterError("the Ray head did not come up within the start timeout")
-            time.sleep(0.1)
-        with open(found) as f:
-            return f.read().strip()
-
     def connect(self, n: int | None, timeout: float, *, address: str = "", **unknown: Any) -> None:
         if unknown:
             raise ClusterError(f"a Ray cluster is found by its address, not {sorted(unknown)}")
-        self._refuse_second_ray()
+        refuse_second_ray()
         self.owns_cluster = False
         self._client_mode = address.startswith("ray://")
-        _set_environ({})  # the token the kernel's environment names now (RAY_AUTH_TOKEN, _PATH)
-        host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
-        # A head on loopback is a one-node cluster of this machine's (see _one_node); any
-        # other is reached as Ray reaches it.
-        one_node = _one_node() if not address.startswith("ray://") and _is_loopback(host) else contextlib.nullcontext()
-        with (engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop), one_node,
-              _as_kernel_driver()):
-            for attempt in (1, 2):
-                try:
-                    ray.init(address=address, namespace=f"jupyter_scale-{uuid.uuid4().hex[:12]}", log_to_driver=False,
-                             logging_level=logging.ERROR, configure_logging=False,
-                             runtime_env=self.runtime_env or None)
-                    break
-                except ConnectionAbortedError as exc:
-                    # Ray Client's head starts a server process per client, which now and then
-                    # exits as it starts ("Starting Ray client server failed", or an
-                    # "Initialization failure from server" when the head finds it a zombie): a
-                    # second client gets another.
-                    if attempt == 2 or not any(said in str(exc) for said in (
-                            "client server failed", "Initialization failure from server")):
-                        raise
-                    log.info("Ray Client's server did not start; connecting again", exc_info=True)
+        set_environ({})  # the token the kernel's environment names now (RAY_AUTH_TOKEN, _PATH)
+        with engine_errors(f"could not connect to the Ray cluster at {address}", cleanup=self.stop):
+            init_driver(address, self.runtime_env or None)
         self._address = address
         if not n:
             n = max(1, int(ray.cluster_resources().get("CPU", 1) // (self.cpus_per_worker or 1)))
@@ -396,18 +276,7 @@ class RayBackend(Backend):
         return 1.0 if ray.cluster_resources().get("GPU", 0) >= n else 0.0
 
     def _attach(self, n: int, timeout: float, cpus: float) -> None:
-        gpus = self._gpus(n)
-        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        group = self._group = placement_group([bundle] * n, strategy="PACK")
-        if not ray.wait([group.ready()], timeout=timeout)[0]:
-            raise ClusterError(f"the Ray cluster has no room for {n} workers of {bundle} within {timeout:.0f} s "
-                               f"(free now: {ray.available_resources()})")
-        self._actors = [_Rank.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=i)).remote(max(1, int(cpus))) for i in range(n)]
-        pings = [actor.pid.remote() for actor in self._actors]
-        if len(ray.wait(pings, num_returns=n, timeout=timeout)[0]) < n:
-            raise ClusterError(f"Ray did not start {n} actors within {timeout:.0f} s")
-        self._pids = ray.get(pings)
+        self._group, self._actors, self._pids = place_actors(_Rank, n, cpus, self._gpus(n), timeout)
         self._reading = threading.Event()  # this reader's: one left from a stop that timed out keeps its own
         self._reader = threading.Thread(target=self._read_outboxes, args=(list(self._actors), self._reading),
                                         name="jupyter_scale-ray-outbox", daemon=True)
@@ -418,31 +287,15 @@ class RayBackend(Backend):
         if self._reader is not None:
             self._reader.join(timeout=2 * TAKE_WAIT_S + 1)
             self._reader = None
-        # Ray's processes, found while the head still holds them (they are orphans once it exits).
-        tree = _tree(self._head.pid) if self._head is not None else []
         actors, group, self._actors, self._group, self._pids = self._actors, self._group, [], None, []
         self.relay.clear()
         head, self._head = self._head, None
         try:
-            if ray.is_initialized():
-                for actor in actors:
-                    with contextlib.suppress(Exception):
-                        ray.kill(actor)
-                if group is not None:
-                    with contextlib.suppress(Exception):
-                        remove_placement_group(group)
-                ray.shutdown()
-            if self._environ:
-                _set_environ(self._environ)
-        finally:  # whatever Ray said, nothing of the embedded cluster stays
-            self._environ = {}
-            if head is not None:
-                processes.end([head.pid], grace=20)  # ray start --block stops what it started
-                head.poll()
-                processes.end(tree, grace=5)  # by pid, what did not stop
-            if self._scratch is not None:
-                shutil.rmtree(self._scratch, ignore_errors=True)
-                self._scratch = None
+            with head.stopping() if head is not None else contextlib.nullcontext():
+                if ray.is_initialized():
+                    remove_actors(actors, group)
+                    ray.shutdown()
+        finally:
             if self._watch is not None:
                 self._watch.close()
                 self._watch = None
@@ -460,8 +313,7 @@ class RayBackend(Backend):
             return {}
         return {"head": self._address, "connected": not self.owns_cluster,
                 "namespace": ray.get_runtime_context().namespace,
-                **({"temp_dir": self._scratch, "client": f"ray://127.0.0.1:{self._client_port}"}
-                   if self._scratch else {})}
+                **(self._head.describe() if self._head is not None else {})}
 
     def local_processes(self) -> list:
         """The ranks' processes (the embedded cluster only). Not the head: it ends itself and
@@ -578,32 +430,3 @@ class RayBackend(Backend):
                 with contextlib.suppress(Exception):  # a dead actor needs none
                     self._actors[rank].interrupt.remote(run)
 
-
-def _set_environ(values: dict[str, str | None]) -> None:
-    """Set (None: unset) Ray's variables in the kernel, and have its Ray read them again: it
-    reads the authentication mode and token once, and keeps them (C++'s RayConfig and token
-    loader), so the embedded cluster's token would otherwise not reach a Ray imported before."""
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _tree(pid: int) -> list:
-    """psutil handles of a process and every process it started."""
-    with contextlib.suppress(psutil.Error):
-        process = psutil.Process(pid)
-        return [process, *descendants([process])]
-    return []
