@@ -17,13 +17,16 @@ PACKAGE = Path(__file__).parent.parent / "jupyter_scale"
 LAYERS = {
     "values": ["errors", "protocol", "records", "settings", "_version", "patches", "processes"],
     "worker": ["worker", "cellnames", "training", "sharding", "overlap", "batchnorm", "checkpoint", "rendezvous",
-               "shipping", "sendback",
+               "shipping", "receiving", "byvalue", "tensorbytes", "namespacepickle", "sendback", "explicit",
+               "sampling", "torchrun", "resync", "interrupts", "collectives",
                "statesync", "writewatch", "libraries", "notes", "sharedmem", "capture", "metrics", "frameworks",
                "frameworks.tensorflow", "frameworks.paddle", "frameworks.horovod", "script", "ray_job"],
     "engines": ["backends", "backends.base", "backends.ipyparallel", "backends.dask", "backends.ray",
+                "backends.ray_cluster", "backends.ipyparallel_cluster", "backends.dask_cluster",
                 "backends.channel", "backends.relay", "launchers", "forkserver", "programs", "programs.*"],
     "kernel": ["cluster", "group", "run", "display", "pullback", "cellexport", "cellstart", "export", "jobfiles",
-               "jobdir", "sinks", "frameworks.rules", "widgets", "widgets.dashboard"],
+               "jobdir", "sinks", "frameworks.rules", "widgets", "widgets.dashboard", "notebooknames", "cellrequest",
+               "cellend", "cellframes"],
     "session": ["session"],
     "front": ["", "magics", "sidebar"],
 }
