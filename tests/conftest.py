@@ -131,6 +131,19 @@ def fresh_kernel():
     _stop_and_check(k)
 
 
+def skip_module_unless(unavailable_reason):
+    """A module-scoped autouse fixture (assign it to a name of the module): its tests skip,
+    with the reason, where `unavailable_reason()` (a probe that tries for real) gives one. At
+    run time, not at import: every worker of `pytest -n` collects the same tests, and only the
+    one that runs the module probes."""
+    @pytest.fixture(scope="module", autouse=True)
+    def available():
+        if (reason := unavailable_reason()) is not None:
+            pytest.skip(reason)
+
+    return available
+
+
 @pytest.fixture(scope="module")
 def ray_cli_cluster():
     """A Ray head of 2 CPUs from the `ray` CLI, as a user or KubeRay starts one: on loopback
@@ -239,7 +252,7 @@ _FORBIDDEN_PROGRAM = re.compile(
 _FORBIDDEN_PYTHON = re.compile(
     r"ipykernel|ipyparallel\.(?:engine|controller|cluster|apps)|distributed\.cli|ray\.scripts|jupyter(?:lab|_server|_client)"
     r"|nbconvert|nbclient|multiprocessing\.forkserver import main|playwright"
-    r"|jupyter_scale/programs/(?:ipp_engine|ipp_controller|ray_head|worker_template)\.py")
+    r"|jupyter_scale/programs/(?:ipp_engine|ipp_controller|ray_head)\.py")
 
 
 def _forbidden(args) -> bool:
@@ -354,3 +367,35 @@ def pytest_runtest_teardown(item, nextitem):
     if problems:
         pytest.fail(f"{item.nodeid} is not marked `cluster` but it " + "\n".join(problems)
                     + "\n(mark it `cluster`, or make it stay in this process)", pytrace=False)
+
+
+# -- Two at a time ---------------------------------------------------------------------------
+# The README's test command is `pytest -n 2` (pytest-xdist): two worker processes, each given
+# whole modules and whole notebooks, so that a module's kernel and cluster serve all its tests
+# and a notebook's cells run in order in one kernel. What uses something of the machine's own
+# runs in one scope, a module at a time: the test hosts (a machine-wide lock, one subnet, and a
+# sweep of a crashed run's leftovers), the test Slurm (whose start sweeps leftovers too), and
+# Ray heads started by `ray start` with its default worker ports (each head hands out the same
+# ports in the same order; the embedded head lets the system pick).
+MACHINE_WIDE = frozenset({
+    "tests/test_hosts.py", "tests/test_multihost.py", "examples/multihost.ipynb",
+    "tests/test_slurm.py", "tests/test_slurm_cluster.py", "examples/slurm.ipynb",
+    "tests/test_export.py", "tests/test_connect.py", "examples/ray.ipynb",
+})
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit a worker of `pytest -n` runs whole: a module or notebook, or MACHINE_WIDE's."""
+    path = nodeid.split("::", 1)[0]
+    return "machine-wide" if path in MACHINE_WIDE else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return xdist_scope(nodeid)
+
+    return ByModule(config, log)

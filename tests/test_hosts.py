@@ -17,12 +17,12 @@ import psutil
 import pytest
 
 import hosts
+from conftest import skip_module_unless
 from hosts import KERNEL_ADDRESS, Hosts
 
 pytestmark = pytest.mark.cluster
 
-if (_reason := hosts.unavailable_reason()) is not None:
-    pytest.skip(_reason, allow_module_level=True)
+available = skip_module_unless(hosts.unavailable_reason)
 
 PORT = 7000
 

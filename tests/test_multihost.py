@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 
 import hosts
-from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
+from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, skip_module_unless, wait_gone
 from kernel import Kernel
 
-pytestmark = [
-    pytest.mark.cluster,
-    pytest.mark.skipif(bool(hosts.unavailable_reason()), reason=hosts.unavailable_reason() or ""),
-]
+pytestmark = pytest.mark.cluster
+available = skip_module_unless(hosts.unavailable_reason)
 
 PER_HOST = 2
 

@@ -9,11 +9,10 @@ import time
 import pytest
 
 import slurm
-from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, wait_gone
+from conftest import CLUSTER_ENGINES, README_DATA, README_LOOP, SAME_WEIGHTS, SETUP, skip_module_unless, wait_gone
 from kernel import Kernel
 
-if (_reason := slurm.unavailable_reason()) is not None:
-    pytest.skip(_reason, allow_module_level=True)
+available = skip_module_unless(slurm.unavailable_reason)
 
 pytestmark = [
     pytest.mark.cluster,

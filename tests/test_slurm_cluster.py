@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 import slurm
+from conftest import skip_module_unless
 
-if (_reason := slurm.unavailable_reason()) is not None:
-    pytest.skip(_reason, allow_module_level=True)
+available = skip_module_unless(slurm.unavailable_reason)
 
 pytestmark = [
     pytest.mark.cluster,
