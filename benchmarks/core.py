@@ -27,6 +27,7 @@ import time
 import ipyparallel as ipp
 import torch
 
+from jupyter_scale.backends.dask_cluster import workers_of
 from jupyter_scale.backends.ipyparallel_cluster import HEARTBEAT_MS
 from jupyter_scale.session import Session
 
@@ -81,7 +82,7 @@ class _DaskBaseline:
                                dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)
         client = Client(cluster, set_as_default=False, direct_to_workers=True)
         client.wait_for_workers(n)
-        addresses = list(client.scheduler_info(n_workers=-1)["workers"])
+        addresses = list(workers_of(client))
         client.gather([client.submit(_noop, workers=[a], pure=False) for a in addresses])
         elapsed = time.perf_counter() - t0
         client.close()

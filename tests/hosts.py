@@ -984,12 +984,14 @@ def start_dask_cluster(head: Host, workers: list[Host], per_host: int, directory
                 env=env, log=str(log))]
 
         import distributed
+
+        from jupyter_scale.backends.dask_cluster import workers_of
         client = _wait("the dask scheduler did not answer",
                        lambda: _dask_client(distributed, cluster), cluster.popens(), cluster.logs, deadline)
         try:
             n = len(workers) * per_host
             _wait(f"{n} dask workers did not all register",
-                  lambda: len(client.scheduler_info(n_workers=-1)["workers"]) >= n,
+                  lambda: len(workers_of(client)) >= n,
                   cluster.popens(), cluster.logs, deadline)
         finally:
             client.close()

@@ -17,6 +17,7 @@ from conftest import ENGINES, wait_gone
 from jupyter_scale import worker
 from jupyter_scale.backends import WorkerCallFailed, WorkerLost, create_backend
 from jupyter_scale.backends.channel import CellChannel
+from jupyter_scale.backends.dask_cluster import workers_of
 
 pytestmark = pytest.mark.cluster
 
@@ -137,7 +138,7 @@ def test_an_engines_settings_in_the_sessions_config_reach_the_cluster_it_starts(
     session.backend_name = "dask"
     try:
         session.start(2)
-        workers = session.backend.client.scheduler_info(n_workers=-1)["workers"].values()
+        workers = workers_of(session.backend.client).values()
         assert [w["nthreads"] for w in workers] == [2, 2]
     finally:
         session.stop()

@@ -142,8 +142,10 @@ def test_connect_to_a_dask_cli_cluster_trains_and_leaves_it_running(dask_cli_clu
     assert all(p.poll() is None for p in processes)
     from distributed import Client
 
+    from jupyter_scale.backends.dask_cluster import workers_of
+
     with Client(address, timeout=30) as client:
-        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+        assert len(workers_of(client)) == 2
         assert client.submit(sum, [1, 2, 3], pure=False).result(timeout=30) == 6
         assert sorted(client.run(os.getpid).values()) == sorted(pids)  # the same worker processes
         # ... which no longer hold the session's variables (the model, the loader).

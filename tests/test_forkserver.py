@@ -19,6 +19,7 @@ from traitlets.config import Config
 from conftest import _started_kernel, wait_gone
 from jupyter_scale import forkserver, programs
 from jupyter_scale.backends import ipyparallel_cluster
+from jupyter_scale.backends.dask_cluster import workers_of
 from jupyter_scale.session import ScaleSession
 
 pytestmark = [
@@ -273,7 +274,7 @@ def test_a_cluster_of_another_engine_ends_the_server_load_ext_started(session):
 # -- Dask: multiprocessing's fork server --------------------------------------------------
 
 def _worker_names(session: ScaleSession) -> set:
-    return {w.get("name") for w in session.backend.client.scheduler_info(n_workers=-1)["workers"].values()}
+    return {w.get("name") for w in workers_of(session.backend.client).values()}
 
 
 @pytest.fixture

@@ -281,7 +281,7 @@ class DaskBackend(Backend):
         (a cluster we only connect to: the client is closed)."""
         self.client = client
         try:
-            if not client.scheduler_info(n_workers=-1)["workers"]:
+            if not launch.workers_of(client):
                 raise ClusterError("the Dask cluster has no workers (start some, or pass --workers N to wait for "
                                    "them)")
             # The client batches what it sends the scheduler every 10 ms: a cell submitted
@@ -299,7 +299,7 @@ class DaskBackend(Backend):
 
     def _adopt_workers(self, client: Client, n: int | None) -> None:
         """The cluster's workers (`n` of them, else all) are the ranks, in order."""
-        ordered = _rank_order(client.scheduler_info(n_workers=-1)["workers"])
+        ordered = _rank_order(launch.workers_of(client))
         addresses = ordered[:n] if n else ordered
         try:
             pids = client.run(_pid, workers=addresses)
@@ -383,9 +383,9 @@ class DaskBackend(Backend):
         now = time.monotonic()
         if fresh or now - self._alive_at > LIVENESS_INTERVAL_S:
             try:
-                answer = set(self._require_client().scheduler_info(n_workers=-1)["workers"])
+                answer = set(launch.workers_of(self._require_client()))
             except Exception:  # no answer (a busy or gone scheduler): nothing learnt, keep what we knew
-                log.debug("scheduler_info failed", exc_info=True)
+                log.debug("asking the scheduler for its workers failed", exc_info=True)
                 return self._alive
             self._alive_before, self._alive, self._alive_at = self._alive, answer, now
         return self._alive

@@ -136,6 +136,14 @@ class _LocalCluster(LocalCluster):
         return self._names_given
 
 
+
+def workers_of(client: Client) -> dict[str, dict]:
+    """The scheduler's workers now, address -> info. Not `Client.scheduler_info()`: it fetches
+    into the client's cached identity and returns the cache, which the client's own periodic
+    refresh (distributed.client.scheduler-info-interval) may replace in between with an
+    identity that lists no workers."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
 def as_a_process_of_its_own() -> None:
     """Python's default start method for the cell's own processes: a worker that the nanny
     started through spawn or the fork server inherits that method, and a DataLoader with
@@ -265,7 +273,7 @@ class Embedded:
             # Every nanny goes (a dead worker's too), stopping its worker; new ones start fresh.
             cluster.scale(0)
             try:
-                while cluster.workers or client.scheduler_info(n_workers=-1)["workers"]:
+                while cluster.workers or workers_of(client):
                     if time.monotonic() > deadline:
                         raise ClusterError(f"{failed}: the old ones did not stop within {timeout:.0f} s")
                     time.sleep(0.01)
@@ -279,7 +287,7 @@ class Embedded:
                 method = "forkserver"
             with dask.config.set({MULTIPROCESSING_METHOD: method}):
                 cluster.scale(n)
-                while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
+                while len(workers_of(client)) < n:
                     if self.died_starting() or time.monotonic() > deadline:
                         why = self.died_starting() or f"they did not join within {timeout:.0f} s"
                         raise ClusterError(f"{failed}: {why}")
