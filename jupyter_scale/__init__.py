@@ -53,10 +53,10 @@ def history(as_frame: bool = False):
     if _session is not None and _session.runs:
         return _session.history(as_frame=as_frame)
     from .metrics import local_recorder
-    from .session import _as_frame
+    from .records import points_frame
 
     points = list(local_recorder.points)
-    return _as_frame(points) if as_frame else points
+    return points_frame(points) if as_frame else points
 
 
 def load_ipython_extension(ip) -> None:

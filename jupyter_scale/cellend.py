@@ -94,7 +94,9 @@ class CellEnd:
                 ended = f"; the worker of rank(s) {sorted(lost)} ended, the next cell replaces it" if lost else ""
                 ended += standing.frameworks.after_interrupt()
                 raise KeyboardInterrupt(f"interrupted; ranks {sorted(f.rank for f in error.failures)} stopped "
-                                        f"and are ready for the next cell{ended}")
+                                        f"and are ready for the next cell{ended}"
+                                        + (f"; where they were: {error.where_ranks_were()}"
+                                           if error.where_ranks_were() else ""))
             raise error
         standing.resync = standing.resync and self.manual  # an automatic cell equalized the models
         if not self.manual:

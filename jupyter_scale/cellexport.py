@@ -86,6 +86,9 @@ def export_cell(directory: str | os.PathLike, code: str, cell: int | None, *, hi
                 manual: bool, values_from: str) -> dict:
     """Write In [`cell`] (`code`, its body) as a job directory; see ScaleSession.export.
     `names_read(code)`: the notebook names the transformed cell reads."""
+    if values_from != "auto" and not save_values:
+        raise export.ExportError("cannot export: --from picks the saved values; with --no-values the notebook's "
+                                 "code makes them")
     if workers % nodes:
         raise export.ExportError(f"cannot export: {workers} workers do not split evenly over {nodes} nodes")
     try:

@@ -1,25 +1,53 @@
-"""What every rank gets to run a cell: the `protocol.CellRequest` the session sends with
-`worker.run_cell`, put together from the cell, its plan and shipment (shipping), what the
-kernel knows of its workers (cellend.WorkerStanding) and the session's settings.
+"""What every rank gets to run a cell: the plan of what to send (`plan`), then the
+`protocol.CellRequest` the session sends with `worker.run_cell`, put together from the cell,
+its plan and shipment (shipping), what the kernel knows of its workers
+(cellend.WorkerStanding) and the session's settings.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from . import byvalue, cellnames, frameworks
+from . import byvalue, cellnames, frameworks, notebooknames
 from .cellend import WorkerStanding
+from .errors import DistributeError
+from .frameworks.rules import refuse_unsafe
 from .protocol import CellRequest
 from .records import RunRecord
 from .settings import SessionSettings
 from .shipping import Plan, Shipment
 
 
+def plan(code: str, namespace: dict, standing: WorkerStanding, framework: str | None, shard: bool | dict,
+         connected: bool, allow_unauthenticated: bool) -> tuple[str, list[str], Plan]:
+    """The cell's framework, the notebook names it reads and the plan to send them.
+    Pickles before any worker runs: an unpicklable value fails here, naming it."""
+    free = notebooknames.free_names(code)
+    names = notebooknames.to_ship(namespace, free)
+    try:
+        framework = frameworks.choose(code, namespace, names, framework, standing.frameworks.held(free, namespace))
+    except frameworks.FrameworkError as exc:
+        raise DistributeError(str(exc)) from None
+    if framework != "torch":
+        refuse_unsafe(framework, shard, connected, allow_unauthenticated)
+    if framework == "paddle" and "paddle" in sys.modules:  # the notebook's Layers travel as Layers
+        from .frameworks import paddle
+
+        paddle.pickle_parameters()
+    # The plan adds the names that the notebook functions the cell calls read.
+    found = standing.shipper.plan({n: namespace[n] for n in names})
+    return framework, list(found.values), found
+
+
 def build(code: str, record: RunRecord, names: list[str], plan: Plan, shipment: Shipment, *, namespace: dict,
           standing: WorkerStanding, settings: SessionSettings, events: tuple[str, str, str], pull: list[str],
-          manual: bool, shard: bool | dict, keep_sharded: bool, seed: int, shared_memory: bool) -> CellRequest:
+          manual: bool, shard: bool | dict, keep_sharded: bool, seed: int, shared_memory: bool,
+          mailbox: dict | None) -> CellRequest:
     """The request of the cell `code` (run `record`), which reads the notebook's `names`.
-    `events`: where the workers send its events, the key that signs them, and the run's id."""
+    `events`: where the workers send its events, the key that signs them, and the run's id;
+    `mailbox`: the group's store, through which the ranks' debuggers get their answers."""
     stores, deletes = cellnames.stored_names(code)
     # The notebook's models the cell uses, also through the notebook functions it calls.
     modules = [n for n in names if frameworks.is_model(namespace[n])]
@@ -62,4 +90,5 @@ def build(code: str, record: RunRecord, names: list[str], plan: Plan, shipment: 
         "framework": framework,
         "overlap": settings.average_during_backward,
         "write_watch": settings.write_watch,
+        "mailbox": mailbox,
     }

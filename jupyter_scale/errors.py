@@ -80,6 +80,7 @@ class RankFailure:
     interrupted: bool = False  # KeyboardInterrupt: stopped by us or the user, not a cause
     lost: bool = False  # the worker process died
     collective: str | None = None  # the torch.distributed collective it was in when it failed
+    where: str | None = None  # "all_reduce in cell line 7": where in the notebook's code it was
     cause: BaseException | None = None  # the kernel-side exception, for a lost worker
 
     @property
@@ -127,10 +128,18 @@ class RemoteError(DistributeError):
             lines += [f"--- rank {first.rank} traceback ---", *first.traceback.rstrip().splitlines()]
         lines.append(f"{type(self).__name__}: {self}")
         for f in self.failures[1:]:
-            where = f" (in {f.collective})" if f.collective else ""
+            where = f" ({f.where})" if f.where else f" (in {f.collective})" if f.collective else ""
             lines.append(f"  rank {f.rank}: {f.summary}{where}")
+        if self.where_ranks_were():
+            lines.append(f"Where the ranks were: {self.where_ranks_were()}")
         lines.append(self.hint)
         return lines
+
+    def where_ranks_were(self) -> str:
+        """"rank 0: DataLoader.__iter__ in cell line 5; rank 1: all_reduce in cell line 7" for a
+        cell that was stopped (timed out, interrupted), else ""."""
+        stopped = [f for f in self.failures if f.interrupted or isinstance(self, CellTimeout)]
+        return "; ".join(f"rank {f.rank}: {f.where}" for f in sorted(stopped, key=lambda f: f.rank) if f.where)
 
 
 class WorkerDied(RemoteError):

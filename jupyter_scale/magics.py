@@ -8,6 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import frameworks, jobfiles, launchers, patches, sharding, worker
 from .backends import available_backends, find_connection
+from .errors import DistributeError
 from .session import ScaleSession
 
 
@@ -295,8 +296,9 @@ class ScaleMagics(Magics):
 
     @magic_arguments()
     @argument("action", nargs="?", default="status",
-              choices=["status", "start", "stop", "restart", "connect", "export", "patches"],
-              help="what to do (default: status; patches: what jupyter_scale patched in the kernel and on rank 0)")
+              choices=["status", "start", "stop", "restart", "connect", "export", "patches", "debug", "stacks"],
+              help="what to do (default: status; patches: what jupyter_scale patched in the kernel and on rank 0; "
+                   "debug: pdb where the last failed cell raised on a rank; stacks: every rank's Python stacks)")
     @argument("address", nargs="?", default=None,
               help="for connect: the cluster's address, whose form says the engine: a Dask scheduler "
                    "(tcp://10.0.0.5:8786) or an ipyparallel ipcontroller-client.json file (else say --backend)")
@@ -305,6 +307,8 @@ class ScaleMagics(Magics):
     @argument("--backend", default=None,
               help="cluster engine (ipyparallel, dask, or another installed one): the one start starts; for "
                    "connect, the one the address is for")
+    @argument("--rank", type=int, default=None,
+              help="for debug: the rank to debug (default: the one the last failed cell's error names)")
     @argument("--profile", default=None, help="for connect: an ipyparallel profile (ipcluster start --profile P)")
     @argument("--cluster-id", default=None, help="for connect: an ipyparallel cluster id within the profile")
     @argument("--tls-ca-file", default=None,
@@ -338,10 +342,15 @@ class ScaleMagics(Magics):
             %scale export job --cell 7 --to torchrun,slurm --nodes 2 --no-values
             %scale export job --from now                # the values as they are, not as the cell started
             %scale patches              # what is patched in torch and other libraries, kernel and rank 0
+            %scale debug                # pdb where the last failed cell raised, on the rank its error names
+            %scale debug --rank 1
+            %scale stacks               # every rank's Python stacks, each headed by its cell's line
         """
         if line.split()[:1] == ["export"]:  # its own arguments
             return self._export(line.split(None, 1)[1] if len(line.split()) > 1 else "")
         args = _parse(self.scale, line)
+        if args.rank is not None and args.action != "debug":
+            raise UsageError(f"--rank goes with debug, not {args.action}")
         if args.workers is not None and args.action not in ("start", "restart", "connect"):
             raise UsageError(f"--workers goes with start, restart or connect, not {args.action}")
         where = args.address or args.profile or args.cluster_id
@@ -397,6 +406,15 @@ class ScaleMagics(Magics):
                 print(f"jupyter_scale: stopped {was} workers" if was else "jupyter_scale: no cluster was running")
         elif args.action == "restart":
             session.restart(args.workers, launcher, **options)
+        elif args.action == "debug":
+            try:
+                session.debug(args.rank)
+            except DistributeError as exc:
+                raise UsageError(str(exc)) from None
+        elif args.action == "stacks":
+            if not session.running:
+                raise UsageError("no cluster is running")
+            print(session.stacks())
         elif args.action == "patches":
             print(format_patches(patches.installed(), _rank0_patches(session) if session.running else None))
         else:

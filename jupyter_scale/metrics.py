@@ -296,6 +296,8 @@ def _well_formed_event(event: Any, rank: int) -> bool:
     if kind == "heartbeat":  # waiting in a collective: its name and since when
         return plain and (event.get("collective") is None
                           or (type(event["collective"]) is str and type(event.get("since")) in _NUMBERS))
+    if kind == "debug":  # what the rank's debugger printed, and its prompt (None: no answer wanted)
+        return plain and type(event.get("seq")) is int and type(event.get("text")) is str
     return False
 
 

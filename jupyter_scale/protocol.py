@@ -90,6 +90,7 @@ class CellRequest(_CellRequired, total=False):
     overlap: bool  # automatic mode may average gradients during backward (see overlap.py)
     write_watch: bool  # hash again only the tensor pages written since (see writewatch)
     shared_frames: dict | None  # where the big frames are in the kernel's shared memory
+    mailbox: dict | None  # the group's store: the debugger's answers come through it (see debugging)
 
 
 class Failure(TypedDict):
@@ -102,6 +103,7 @@ class Failure(TypedDict):
     time: float
     interrupted: bool
     collective: str | None  # the collective it was in
+    where: str | None  # debugging.where: its innermost notebook line, and what it was in there
 
 
 class _ReplyRequired(TypedDict):

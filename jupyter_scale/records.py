@@ -47,3 +47,12 @@ def draw_seed() -> int:
     """Automatic mode's seed, drawn from the notebook's RNG as the cell would draw locally:
     a notebook that calls torch.manual_seed gets the same worker runs every time."""
     return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def points_frame(points: list[dict]):
+    """Reported points as a pandas DataFrame (history(as_frame=True))."""
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError("history(as_frame=True) needs pandas: pip install pandas") from None
+    return pandas.DataFrame(points)

@@ -408,6 +408,12 @@ def cut_connections(group_sockets: set[int]) -> None:
 
 
 ABORT_KEY = "jupyter_scale/abort"
+STACKS_KEY = "jupyter_scale/stacks"  # a count: the kernel adds one to ask every rank for its stacks
+
+
+def stacks_key(asked: int, rank: int) -> str:
+    """Where `rank` answers the `asked`-th request for its stacks."""
+    return f"{STACKS_KEY}/{asked}/{rank}"
 
 
 class AbortWatch:
@@ -418,6 +424,9 @@ class AbortWatch:
     (each group has a store of its own); this thread sees it, cuts the connections, and
     the blocked collective fails with an error the cell then reports. The group is
     formed anew for the next cell.
+
+    The same thread answers the kernel's requests for this rank's stacks (`%scale stacks`),
+    with `stacks()`: it runs while the cell's thread hangs, in a collective or elsewhere.
     """
 
     # Across hosts, a store that does not answer for this long means rank 0's process or
@@ -426,8 +435,10 @@ class AbortWatch:
     UNREACHABLE_S = 10.0
 
     def __init__(self, spec: dict, group_sockets: set[int], poll: float = 0.25,
-                 on_cut: Callable[[], None] | None = None):
+                 on_cut: Callable[[], None] | None = None, rank: int = 0, stacks: Callable[[], str] | None = None):
         self._remote = "file" not in spec
+        self._rank, self._stacks = rank, stacks
+        self._stacks_answered = 0
         self._on_cut = on_cut  # frees what the sockets do not (another framework's collectives)
         self._store = group_store(spec, timeout=self.UNREACHABLE_S if self._remote else 30)
         self._sockets = group_sockets
@@ -443,6 +454,8 @@ class AbortWatch:
         while not self._stop.wait(self._poll):
             try:
                 asked = self._store.check([ABORT_KEY])  # reads only: the store does not grow
+                if self._stacks is not None and self._store.check([STACKS_KEY]):
+                    self._answer_stacks()
             except Exception:  # the store went away: with rank 0 (across hosts), or with its group
                 asked = self._remote
             if self._stop.is_set():
@@ -451,6 +464,13 @@ class AbortWatch:
             if asked:
                 self._cut()
                 return
+
+    def _answer_stacks(self) -> None:
+        asked = int(self._store.get(STACKS_KEY))
+        if asked > self._stacks_answered:
+            self._stacks_answered = asked
+            assert self._stacks is not None
+            self._store.set(stacks_key(asked, self._rank), self._stacks())
 
     def _guard(self) -> None:
         while not self._stop.wait(1.0):

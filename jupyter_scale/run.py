@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from . import display, worker
 from .backends import Backend, Job, describe_exit
+from .debugger import RankPrompts
 from .errors import CellTimeout, ClusterError, RankFailure, RemoteError, WorkerCallFailed, WorkerDied, WorkerLost
 from .launchers import Launcher
 from .metrics import EventQueue
@@ -104,12 +105,14 @@ class CellRun:
     def __init__(self, job: Job, record: RunRecord, view: display.RunView, timeout: float | None,
                  interrupts: Interrupts | None = None, *, backend: Backend, workers: Sequence[dict],
                  placement: Launcher | None, events: EventQueue | None, limits: WaitLimits, run_id: str | None,
-                 request_abort: Callable[[], None], notify: Callable[..., None]):
+                 request_abort: Callable[[], None], notify: Callable[..., None], prompts: RankPrompts | None = None,
+                 labeler: display.LineLabeler | None = None):
         self.job, self.record, self.view, self.timeout = job, record, view, timeout
         self.backend, self.workers, self.placement, self.events = backend, workers, placement, events
         self.limits, self.run_id, self.request_abort, self.notify = limits, run_id, request_abort, notify
         self.interrupts = interrupts or Interrupts()
-        self.labeler = display.LineLabeler()
+        self.prompts = prompts  # the ranks' debugger prompts (see debugger)
+        self.labeler = labeler or display.LineLabeler()
         self.headers: dict[int, CellReply] = {}  # each answered rank's header
         self.frames_back: dict[int, Sequence] = {}  # and the frames that came with it
         self.failures: list[RankFailure] = []
@@ -232,7 +235,7 @@ class CellRun:
         limits = self.limits
         if self.first_failure is not None and now - self.first_failure > limits.abort_grace:
             self._stop_running("another rank failed")
-        if self.timeout is not None and now - self.started > self.timeout and self.interrupted_at is None:
+        if self.timeout is not None and self.running_for(now) > self.timeout and self.interrupted_at is None:
             self.timed_out = True
             print(f"jupyter_scale: --timeout {self.timeout:g} s reached; stopping ranks {self.running()}",
                   file=sys.stderr, flush=True)
@@ -248,6 +251,9 @@ class CellRun:
             return False
         stuck = self.running()
         said = f"did not stop within {limits.stop_deadline:g} s of being interrupted"
+        places = [f"rank {r}: {self.beats[r]['where']}" for r in stuck if (self.beats.get(r) or {}).get("where")]
+        if places:
+            said += f" ({'; '.join(places)})"
         if not self.lost:
             raise RanksStuck(stuck, said)
         # Stuck with the lost workers (e.g. in a collective with a host that left
@@ -257,8 +263,14 @@ class CellRun:
             self.failures.append(RankFailure(rank, "WorkerLost", said, "", time.time(), lost=True, interrupted=True))
         return True
 
+    def running_for(self, now: float) -> float:
+        """Seconds the cell has run, less those the ranks' debuggers waited for the user."""
+        return now - self.started - (self.prompts.spent if self.prompts is not None else 0.0)
+
     def _stop_running(self, reason: str) -> None:
         running = self.running()
+        if self.prompts is not None and not self.prompts.interrupted:
+            self.prompts.interrupt()  # a rank at a prompt (now or later) stops too
         if not running or self.interrupted_at is not None:
             return
         log.info("interrupting ranks %s: %s", running, reason)
@@ -316,6 +328,10 @@ class CellRun:
         for event in events.drain() if events is not None else ():
             kind = event.get("kind")
             self.heard[event["rank"]] = heard
+            if kind == "debug":
+                if self.prompts is not None:
+                    self.prompts.take(event)
+                continue
             self.notify("event", event)
             if kind == "heartbeat":
                 self.beats[event["rank"]] = event
@@ -325,6 +341,20 @@ class CellRun:
             elif kind is None:  # a report() point
                 self.record.metrics.append(event)
             self.view.add(event)
+        if self.prompts is not None and self.prompts.waiting and self._serve_prompts():
+            # Nothing was read while the user answered: no rank is silent, none waited on its own.
+            heard = time.monotonic()
+            self.heard.update((r, heard) for r in self.heard)
+            self.warned_at = heard
+
+    def _serve_prompts(self) -> bool:
+        assert self.prompts is not None
+        display.emit(self.job.new_output(), self.labeler)  # what the ranks printed before they stopped
+        interrupted = self.prompts.interrupted
+        served = self.prompts.serve()
+        if self.prompts.interrupted and not interrupted:  # the user interrupted at the prompt
+            self.interrupts.count += 1
+        return served
 
     def collect_last_events(self) -> None:
         """Wait until every event each rank says it sent has arrived, as long as a rank may go
@@ -369,20 +399,24 @@ class CellRun:
             return
         now = time.time()
         beats = {r: self.beats.get(r) for r in self.running()}
+        answered = self.prompts.served_at if self.prompts is not None else 0.0  # time at a prompt is not a hang
         waiting = {r: b for r, b in beats.items() if b and b.get("collective")
-                   and now - b["since"] >= limits.hang_warning}
+                   and now - max(b["since"], answered) >= limits.hang_warning}
         if not waiting:
             return
         absent = [r for r, b in beats.items() if not (b and b.get("collective"))]
         silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * limits.heartbeat_interval + 2]
         if not absent and not silent:
             return  # everyone is in a collective: slow, not stuck on one rank
-        longest = max(now - b["since"] for b in waiting.values())
+        longest = max(now - max(b["since"], answered) for b in waiting.values())
         where = ", ".join(sorted({b["collective"] for b in waiting.values()}))
         line = (f"jupyter_scale: rank(s) {sorted(waiting)} have waited {longest:.0f} s in {where}; "
                 f"rank(s) {sorted(set(absent) | set(silent))} are not in it")
         if silent:
             line += f" (no heartbeat from rank(s) {sorted(silent)}: hung or overloaded)"
+        places = [f"rank {r}: {b['where']}" for r, b in sorted(beats.items()) if b and b.get("where")]
+        if places:
+            line += f"; {'; '.join(places)}"
         display.write("stderr", line + ". Interrupt the kernel to stop every rank, or use --timeout.\n")
         self.warned_at = time.monotonic()
 

@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from traitlets import observe
@@ -26,8 +25,7 @@ from . import (
     cellexport,
     cellrequest,
     cellstart,
-    export,
-    frameworks,
+    debugger,
     jobfiles,
     metrics,
     notebooknames,
@@ -46,11 +44,11 @@ from .backends.channel import CellChannel
 from .cellend import CellEnd, WorkerStanding
 from .cellframes import KernelFrames
 from .cluster import Cluster
-from .display import RunView, StatusLine, wants_widget
-from .errors import ClusterError, DistributeError
-from .frameworks.rules import refuse_unsafe
+from .debugger import RankPrompts
+from .display import LineLabeler, RunView, StatusLine, wants_widget
+from .errors import ClusterError
 from .protocol import CellRequest
-from .records import RunRecord, draw_seed
+from .records import RunRecord, draw_seed, points_frame
 from .run import CellRun, Interrupts, Outcome, RanksStuck, WaitLimits, interrupts_noted, stop_ranks
 from .settings import SessionSettings
 
@@ -362,7 +360,8 @@ class ScaleSession(SessionSettings):
             raise ValueError("shard is automatic mode's; with manual, call jupyter_scale.shard_model in the cell")
         number = self.cell_history.number_of(code)
         code = self._transform(code)
-        framework, names, plan = self._plan_cell(code, framework, shard)
+        framework, names, plan = cellrequest.plan(code, self.namespace, self.standing, framework, shard,
+                                                  self.connection is not None, self.allow_unauthenticated_servers)
         manual = manual or framework != "torch"  # another framework's cell uses that framework's own API
         if self.running and not self.standing.lost:
             why = self.standing.frameworks.restart_reason(framework, self.standing.group_ready)
@@ -373,7 +372,7 @@ class ScaleSession(SessionSettings):
         started = time.time()
         # Opened before a worker starts: a target that cannot work fails the cell first.
         run_sinks = sinks.for_run(self.log_to if log_to is None else list(log_to), log_as or self.log_as,
-                                  notebook=_notebook_name(self.namespace), cell=number, index=len(self.runs) + 1,
+                                  notebook=sinks.notebook_name(self.namespace), cell=number, index=len(self.runs) + 1,
                                   started=started, engine=self.backend_name, code=code)
         self.ensure(workers, launcher, launcher_options)
         seed = draw_seed()
@@ -391,7 +390,8 @@ class ScaleSession(SessionSettings):
         request = cellrequest.build(code, record, names, plan, shipment, namespace=self.namespace, standing=self.standing,
                                     settings=self, events=(self.events_address, events.key, run_id), pull=list(pull),
                                     manual=manual, shard=shard, keep_sharded=keep_sharded, seed=seed,
-                                    shared_memory=self.shared_memory)
+                                    shared_memory=self.shared_memory,
+                                    mailbox=self.group.store if self.group is not None else None)
         self.standing.frameworks.cell_started(framework)
         view = RunView(self._widgets(), self.progress_interval, record, steps)
         end = CellEnd(self.standing, record, view, shipment, plan, manual, namespace=self.namespace, settings=self,
@@ -418,26 +418,6 @@ class ScaleSession(SessionSettings):
                                     "and the notebook holds its results")
         return record
 
-    def _plan_cell(self, code: str, framework: str | None, shard: bool | dict) -> tuple[str, list[str], shipping.Plan]:
-        """The cell's framework, the notebook names it reads and the plan to send them.
-        Pickles before any worker runs: an unpicklable value fails here, naming it."""
-        free = notebooknames.free_names(code)
-        names = notebooknames.to_ship(self.namespace, free)
-        try:
-            framework = frameworks.choose(code, self.namespace, names, framework,
-                                          self.standing.frameworks.held(free, self.namespace))
-        except frameworks.FrameworkError as exc:
-            raise DistributeError(str(exc)) from None
-        if framework != "torch":
-            refuse_unsafe(framework, shard, self.connection is not None, self.allow_unauthenticated_servers)
-        if framework == "paddle" and "paddle" in sys.modules:  # the notebook's Layers travel as Layers
-            from .frameworks import paddle
-
-            paddle.pickle_parameters()
-        # The plan adds the names that the notebook functions the cell calls read.
-        plan = self.standing.shipper.plan({n: self.namespace[n] for n in names})
-        return framework, list(plan.values), plan
-
     def _wait(self, end: CellEnd, timeout: float | None, interrupts: Interrupts, request: CellRequest,
               frames: list) -> tuple[Outcome, dict]:
         """Send the cell and wait for every rank (see run.CellRun); whatever ends the wait
@@ -450,7 +430,9 @@ class ScaleSession(SessionSettings):
         self._cell = cell = CellRun(
             job, end.record, end.view, timeout, interrupts, backend=self.cluster.require_backend(),
             workers=self.workers, placement=self.placement, events=self.events, limits=self._wait_limits(),
-            run_id=self._run_id(), request_abort=self._request_abort, notify=self._notify)
+            run_id=self._run_id(), request_abort=self._request_abort, notify=self._notify,
+            prompts=RankPrompts(request.get("mailbox"), request.get("events_key", ""), request["run"], self.size),
+            labeler=self._labeler())
         answered = False
         try:
             outcome = cell.wait()
@@ -499,9 +481,6 @@ class ScaleSession(SessionSettings):
         cannot be exported; writes nothing then. The directory must be the user's own, which
         no one else can write (see jobdir).
         """
-        if values_from != "auto" and not save_values:
-            raise export.ExportError("cannot export: --from picks the saved values; with --no-values the notebook's "
-                                     "code makes them")
         if code is None:
             cell, _, code = self.distribute_cell(cell)
         elif cell is None:
@@ -531,6 +510,10 @@ class ScaleSession(SessionSettings):
             self.standing.lost = sorted(set(self.standing.lost) | set(stuck))
             self.standing.group_ready = False
         return not stuck
+
+    def _labeler(self) -> LineLabeler:
+        collapse = self.size > 2 if self.collapse_output is None else self.collapse_output
+        return LineLabeler(world_size=self.size, collapse_window=self.collapse_window if collapse else 0.0)
 
     def _wait_limits(self) -> WaitLimits:
         return WaitLimits(poll_interval=self.poll_interval, abort_grace=self.abort_grace,
@@ -584,26 +567,29 @@ class ScaleSession(SessionSettings):
             raise KeyError(f"{name!r} is not defined on ranks {missing}")
         return [byvalue.loads(a[1], a[2:], namespace=self.namespace) for a in answers]
 
+    def debug(self, rank: int | None = None) -> None:
+        """pdb on `rank` (default: the rank the last failed cell blames) in the frames where its
+        last cell raised, as IPython's %debug does in the kernel's (see debugger)."""
+        rank = debugger.rank_to_debug(rank, [r.failed_rank for r in self.runs if r.failed_rank is not None],
+                                      self.size if self.running and self.group else 0, self.standing.lost)
+        assert self.group is not None
+        debugger.post_mortem(self._calls(), self.cluster.require_backend(), self._event_stream(), self.events_address,
+                             self.group.store, rank, self.size, self.poll_interval, self.stop_deadline)
+
+    def stacks(self, timeout: float = 5.0) -> str:
+        """Every rank's Python stacks (all threads), each headed by where its cell is; also
+        while a cell runs or hangs (from another thread)."""
+        cell = self._cell if self._cell is not None and self._cell.job is not None else None
+        store = self.group.store if self.group is not None and self.standing.group_ready else None
+        idle = None if cell is not None else lambda ranks: self.call(worker.stacks, ranks=ranks)
+        return debugger.stacks(store, self.workers, self.standing.lost, idle, cell.beats if cell else {}, timeout)
+
     def history(self, as_frame: bool = False):
         """The points the last run reported (all ranks, in time order): a list of dicts with
         `rank`, `step`, `time`, `epoch` (when given) and each reported name, or a pandas
         DataFrame with `as_frame=True`."""
         points = list(self.runs[-1].metrics) if self.runs else []
-        return _as_frame(points) if as_frame else points
-
-
-
-def _notebook_name(namespace: dict) -> str:
-    path = os.environ.get("JPY_SESSION_NAME") or str(namespace.get("__session__") or "")
-    return Path(path).stem if path else "notebook"
-
-
-def _as_frame(points: list[dict]):
-    try:
-        import pandas
-    except ImportError:
-        raise ImportError("history(as_frame=True) needs pandas: pip install pandas") from None
-    return pandas.DataFrame(points)
+        return points_frame(points) if as_frame else points
 
 
 # The name users and the README use. The class is called ScaleSession so that its

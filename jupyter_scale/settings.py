@@ -106,6 +106,13 @@ class SessionSettings(LoggingConfigurable):
                                "instead of through the engine: a cell's round trip in well under a "
                                "millisecond rather than several. The engine still starts, signals and "
                                "stops the workers.")
+    collapse_output = Bool(None, allow_none=True, config=True,
+                           help="Show a line that several ranks print alike at about the same time once, "
+                                "labelled with their ranks ([rank 0-3] epoch 1 done); a rank's own lines stay "
+                                "labelled with its rank. None (the default): above 2 workers.")
+    collapse_window = Float(0.5, config=True,
+                            help="Seconds a line waits for the other ranks to print it too (collapse_output): "
+                                 "a line that not every rank prints shows this much later.")
     poll_interval = Float(0.1, config=True,
                           help="Longest wait between checks for deadlines while a cell runs "
                                "(results and output wake the kernel at once).")

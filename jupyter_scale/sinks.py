@@ -305,3 +305,9 @@ class _MLflow:
                                "they go on in the background") from None
         if self._failure is not None:
             raise self._failure
+
+
+def notebook_name(namespace: dict) -> str:
+    """The notebook's name (a run's label in TensorBoard and MLflow), or "notebook"."""
+    path = os.environ.get("JPY_SESSION_NAME") or str(namespace.get("__session__") or "")
+    return Path(path).stem if path else "notebook"

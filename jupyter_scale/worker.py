@@ -15,6 +15,7 @@ import linecache
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import types
@@ -28,6 +29,7 @@ import torch
 from . import (
     byvalue,
     collectives,
+    debugging,
     frameworks,
     interrupts,
     patches,
@@ -204,7 +206,8 @@ def join_group(layout: Layout) -> dict:
         _state.store = None
         return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     _state.group_ready = True
-    _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets, on_cut=frameworks.abort_all)
+    _state.watch = rendezvous.AbortWatch(layout["store"], _state.group_sockets, on_cut=frameworks.abort_all,
+                                         rank=rank, stacks=debugging.stacks)
     torchrun.keep_process_group(_rejoin)
     collectives.install_marks()
     rewrapped = _rewrap_stale_ddp()
@@ -279,12 +282,52 @@ def _inject() -> None:
     )
 
 
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback without this module's frames (the user's code starts below them)."""
+def _first_user_frame(exc: BaseException) -> types.TracebackType | None:
+    """Where the user's code starts in `exc`'s traceback: below this module's frames."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    return tb
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without this module's frames."""
+    return "".join(traceback.format_exception(type(exc), exc, _first_user_frame(exc)))
+
+
+def _heartbeat_status(thread: int) -> Callable[[], dict]:
+    """What each heartbeat says: the collective the cell waits in, and where the cell is."""
+    def status() -> dict:
+        found = collectives.heartbeat_status()
+        return {**found, "where": debugging.where_now(thread, found["collective"])}
+
+    return status
+
+
+def stacks() -> tuple:
+    """Every thread's stack of this worker (asked between cells, through the engine)."""
+    return ({"rank": _state.rank, "stacks": debugging.stacks()},)
+
+
+def post_mortem(events: tuple[str, str, str], mailbox: dict) -> tuple:
+    """`%scale debug`: pdb in the frames where this rank's last cell failed, answered from
+    the notebook through `events` (address, key, run) and the store `mailbox`."""
+    address, key, run = events
+    sink = _connect_events(address, key, run)
+    if sink is None:
+        return ({"debugged": False},)
+    line = debugging.Line(sink, mailbox, key, run, _state.rank)
+    interrupts.gate_sigint()
+    interrupts.cell_may_be_interrupted(True, run)
+    try:
+        with _as_main():
+            return (debugging.post_mortem(line),)
+    except KeyboardInterrupt:
+        return ({"debugged": True, "interrupted": True},)
+    finally:
+        interrupts.cell_may_be_interrupted(False)
+        _flush()
+        sink.flush()
 
 
 def _register_source(filename: str, code: str) -> None:
@@ -326,11 +369,13 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
     run = request.get("run", "")
     sink = _connect_events(request.get("events"), request.get("events_key", ""), run)
     collectives.cell_started()
+    line = None
     if sink is not None:
         sink.heartbeat_interval = request.get("heartbeat", 0.0)
-        sink.heartbeat_status = collectives.heartbeat_status
-    if sink is not None:
+        sink.heartbeat_status = _heartbeat_status(threading.get_ident())
         sink.state("running", pid=os.getpid(), host=socket.gethostname(), device=str(_state.device))
+        if mailbox := request.get("mailbox"):
+            line = debugging.Line(sink, mailbox, request.get("events_key", ""), run, rank)
     try:
         interrupts.cell_may_be_interrupted(True, run)
         with mode, sharding_cell:
@@ -357,7 +402,7 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             if rank == 0 and (watch := request.get("watch")) is not None:
                 snapshot = statesync.Snapshot(_state.namespace, watch)
             before = _bindings()
-            with _as_main():
+            with _as_main(), debugging.cell_running(line):
                 exec(code, _state.namespace)
             sharding.reshard(_state.namespace)  # an evaluation at the end leaves whole weights out
             if auto and rendezvous.distributed():  # the cell may have destroyed the group
@@ -386,7 +431,9 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
             "time": failed_at,
             "interrupted": isinstance(exc, KeyboardInterrupt),
             "collective": collectives.failed_in(),
+            "where": debugging.where_failed(exc, collectives.failed_in()),
         }
+        debugging.keep_failure(exc, _first_user_frame(exc))
         with interrupts.sigint_ignored():
             counts = _close_events(sink, "failed", error=failure["etype"])
             rebound = _rebound(before) if before is not None else []

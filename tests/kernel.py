@@ -18,6 +18,7 @@ class CellResult:
     displays: list = field(default_factory=list)
     comms: list = field(default_factory=list)  # comm_open / comm_msg / comm_close contents, in order
     payload: list = field(default_factory=list)  # the execute reply's payloads
+    prompts: list = field(default_factory=list)  # the kernel's input requests' prompts, in order
 
     @property
     def ok(self) -> bool:
@@ -51,12 +52,15 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def cell(self, code: str, timeout: float = 180, on_stream=None, on_comm=None, history: bool = False) -> CellResult:
+    def cell(self, code: str, timeout: float = 180, on_stream=None, on_comm=None, history: bool = False,
+             stdin=None) -> CellResult:
         """Run `code`; `on_stream(name, text)` is called for each output as it arrives,
         `on_comm(msg_type, content)` for each comm message. `history`: the cell counts as
-        a notebook cell (In [n], what %scale export reads); else it leaves no trace there."""
-        msg_id = self.client.execute(code, store_history=history)
-        out = self._collect(msg_id, code, timeout, on_stream, on_comm)
+        a notebook cell (In [n], what %scale export reads); else it leaves no trace there.
+        `stdin(prompt)`: answers the kernel's input requests, as a frontend's input box does
+        (without it the kernel is told that this frontend answers none)."""
+        msg_id = self.client.execute(code, store_history=history, allow_stdin=stdin is not None)
+        out = self._collect(msg_id, code, timeout, on_stream, on_comm, stdin)
         out.payload = self._reply(msg_id, timeout=30)["content"].get("payload", [])
         return out
 
@@ -87,7 +91,7 @@ class Kernel:
         self.client.shell_channel.send(msg)
         return self._collect(msg["header"]["msg_id"], f"comm_msg {data}", timeout)
 
-    def _collect(self, msg_id: str, code: str, timeout: float, on_stream=None, on_comm=None) -> CellResult:
+    def _collect(self, msg_id: str, code: str, timeout: float, on_stream=None, on_comm=None, stdin=None) -> CellResult:
         out = CellResult()
         deadline = time.monotonic() + timeout
         while True:
@@ -95,8 +99,18 @@ class Kernel:
             if remaining <= 0:
                 self.manager.interrupt_kernel()
                 raise TimeoutError(f"cell did not finish within {timeout} s:\n{code}\n--- so far:\n{out.stdout}{out.stderr}")
+            if stdin is not None:
+                try:
+                    request = self.client.get_stdin_msg(timeout=0)
+                except queue.Empty:
+                    pass
+                else:
+                    out.prompts.append(request["content"]["prompt"])
+                    answer = stdin(request["content"]["prompt"])
+                    if answer is not None:  # None: no answer (the caller interrupts the kernel instead)
+                        self.client.input(answer)
             try:
-                msg = self.client.get_iopub_msg(timeout=min(remaining, 1.0))
+                msg = self.client.get_iopub_msg(timeout=min(remaining, 0.05 if stdin is not None else 1.0))
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
