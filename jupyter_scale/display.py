@@ -69,6 +69,12 @@ class LineLabeler:
         self._last_held: dict[int, int] = {}  # each rank's latest held line (id)
         self._ids = itertools.count()
 
+    @classmethod
+    def for_cell(cls, world_size: int, collapse: bool | None, window: float) -> LineLabeler:
+        """A cell's labeler: lines collapse if `collapse`, or where it is None, above 2 ranks."""
+        collapse = world_size > 2 if collapse is None else collapse
+        return cls(world_size=world_size, collapse_window=window if collapse else 0.0)
+
     @property
     def collapsing(self) -> bool:
         return self.collapse_window > 0 and self.world_size > 1

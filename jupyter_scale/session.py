@@ -512,8 +512,7 @@ class ScaleSession(SessionSettings):
         return not stuck
 
     def _labeler(self) -> LineLabeler:
-        collapse = self.size > 2 if self.collapse_output is None else self.collapse_output
-        return LineLabeler(world_size=self.size, collapse_window=self.collapse_window if collapse else 0.0)
+        return LineLabeler.for_cell(self.size, self.collapse_output, self.collapse_window)
 
     def _wait_limits(self) -> WaitLimits:
         return WaitLimits(poll_interval=self.poll_interval, abort_grace=self.abort_grace,

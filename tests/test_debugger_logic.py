@@ -215,6 +215,13 @@ def test_a_line_not_every_rank_prints_shows_after_the_window():
     assert [t for _, t in labeler.due()] == ["[rank 0,2] same\n"]
 
 
+@pytest.mark.parametrize("world_size, setting, collapsing", [
+    (2, None, False), (3, None, True), (2, True, True), (8, False, False),
+])
+def test_lines_collapse_by_default_above_two_ranks(world_size, setting, collapsing):
+    assert display.LineLabeler.for_cell(world_size, setting, 0.5).collapsing is collapsing
+
+
 def test_without_a_window_every_line_is_labelled_at_once():
     labeler = display.LineLabeler(world_size=4)
     assert labeler.feed(0, "stdout", "x\n") == "[rank 0] x\n"

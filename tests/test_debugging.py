@@ -1,0 +1,146 @@
+"""Debugging a distributed cell from the notebook, on every engine, through a real kernel whose
+input requests the test answers as a frontend does: a breakpoint on rank 1, two ranks at one
+breakpoint, post-mortem after rank 1 raised, an interrupt at the prompt, where every rank is
+when a cell times out or hangs, and identical lines of the ranks shown once."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+from conftest import ENGINES, kernel_fixture
+
+pytestmark = pytest.mark.cluster
+
+kernel = kernel_fixture(ENGINES)
+
+
+def _answers(*typed):
+    """A frontend that types `typed`, one per prompt, and records the prompts."""
+    pending = list(typed)
+    asked: list[str] = []
+
+    def answer(prompt):
+        asked.append(prompt)
+        return pending.pop(0)
+
+    answer.asked = asked
+    answer.left = pending
+    return answer
+
+
+def test_a_breakpoint_on_rank_1_is_inspected_and_continued(kernel):
+    answer = _answers("p x * 2", "x = 5", "c")
+    out = kernel.cell("%%distribute\nx = 20 + rank\nif rank == 1:\n    breakpoint()\ny = x + 1\nprint('y is', y)\n",
+                      stdin=answer, timeout=120)
+    assert out.ok, out.error_text
+    assert answer.asked == ["[rank 1] (Pdb) "] * 3 and not answer.left
+    assert "[rank 1] -> y = x + 1" in out.stdout  # the cell's own line
+    assert "[rank 1] 42" in out.stdout
+    assert "[rank 0] y is 21" in out.stdout and "[rank 1] y is 6" in out.stdout  # x = 5 took effect
+    assert kernel.ok("%%distribute\nprint('next', rank)\n").ok  # the cluster goes on
+
+
+def test_two_ranks_at_one_breakpoint_are_served_and_cast_to(kernel):
+    def answer(prompt):
+        answer.asked.append(prompt)
+        # each rank inspected on its own, then one command to both
+        return "p rank * 100" if len(answer.asked) <= 2 else "@all c"
+
+    answer.asked = []
+    out = kernel.cell("%%distribute\nbreakpoint()\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nprint('sum', t.item())\n",
+                      stdin=answer, timeout=120)
+    assert out.ok, out.error_text
+    assert sorted(answer.asked[:2]) == ["[rank 0] (Pdb) ", "[rank 1] (Pdb) "]
+    assert len(answer.asked) == 3  # @all answered the other rank's prompt too
+    assert "[rank 0] 0" in out.stdout and "[rank 1] 100" in out.stdout
+    assert "[rank 0] sum 3.0" in out.stdout and "[rank 1] sum 3.0" in out.stdout
+
+
+def test_time_at_a_prompt_does_not_count_toward_the_timeout(kernel):
+    def slow(prompt):
+        time.sleep(4)  # the user reads the code for a while
+        return "c"
+
+    out = kernel.cell("%%distribute --timeout 2\nif rank == 1:\n    breakpoint()\nt = torch.ones(1)\ndist.all_reduce(t)\n",
+                      stdin=slow, timeout=120)
+    assert out.ok, out.error_text
+
+
+def test_an_interrupt_at_the_prompt_stops_every_rank_cleanly(kernel):
+    def interrupt(prompt):
+        threading.Timer(0.5, kernel.manager.interrupt_kernel).start()
+        return None  # the user presses stop instead of answering
+
+    started = time.monotonic()
+    out = kernel.cell("%%distribute\nif rank == 0:\n    breakpoint()\nt = torch.ones(1)\ndist.all_reduce(t)\n",
+                      stdin=interrupt, timeout=120)
+    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt", out.error_text
+    assert "ranks [0, 1] stopped" in out.error_text
+    assert "where they were: rank 0: cell line 3; rank 1: all_reduce in cell line 4" in out.error_text
+    assert time.monotonic() - started < 30
+    assert "[rank 0] ok" in kernel.ok("%%distribute\nprint('ok')\n").stdout
+
+
+def test_a_frontend_that_answers_no_input_fails_the_cell_naming_the_rank(kernel):
+    out = kernel.cell("%%distribute\nif rank == 1:\n    breakpoint()\n", timeout=120)
+    assert out.error is not None and "rank 1 stopped in the debugger" in out.error_text
+    assert "input requests" in out.error_text
+
+
+def test_post_mortem_opens_pdb_where_rank_1_raised(kernel):
+    out = kernel.cell("%%distribute\ndef step(v):\n    scale = v * 3\n    raise ValueError(f'bad {scale}')\n"
+                      "if rank == 1:\n    step(7)\n", timeout=120)
+    assert out.error is not None and "rank 1 failed: ValueError: bad 21" in out.error_text
+    answer = _answers("p scale", "up", "p rank", "q")
+    out = kernel.cell("%scale debug", stdin=answer, timeout=120)
+    assert out.ok, out.error_text
+    assert answer.asked == ["[rank 1] (Pdb) "] * 4
+    assert "[rank 1] 21" in out.stdout
+    assert "[rank 1] -> raise ValueError(f'bad {scale}')" in out.stdout  # the notebook's source lines
+    assert "[rank 1] -> step(7)" in out.stdout and "[rank 1] 1" in out.stdout
+    assert kernel.ok("%%distribute\nprint('after', rank)\n").ok
+
+
+def test_a_timeout_names_where_each_rank_was(kernel):
+    out = kernel.cell("%%distribute --timeout 3\nt = torch.ones(1)\nif rank == 1:\n    time.sleep(60)\n"
+                      "dist.all_reduce(t)\n", timeout=120)
+    assert out.error is not None and out.error["ename"] == "CellTimeout", out.error_text
+    assert "Where the ranks were: rank 0: all_reduce in cell line 4; rank 1: cell line 3" in out.error_text
+
+
+def test_stacks_name_the_collective_a_hung_rank_waits_in(kernel):
+    """`%scale stacks` while a cell hangs (run from another thread, as a background job is)."""
+    kernel.ok("import threading\ns = jupyter_scale.get_session()\ns.heartbeat_interval = 0.5\nbefore = len(s.runs)\n"
+              "hung = threading.Thread(target=lambda: s.run("
+              "'t = torch.ones(1)\\nif rank == 1:\\n    time.sleep(12)\\ndist.all_reduce(t)\\n', timeout=6), daemon=True)\n"
+              "hung.start()\n"
+              "deadline = time.monotonic() + 30\n"
+              "while time.monotonic() < deadline and not (len(s.runs) > before and s.runs[-1].status == 'running'\n"
+              "                                          and (s.beats.get(0) or {}).get('collective')):\n"
+              "    time.sleep(0.1)\n")
+    out = kernel.ok("print(s.stacks())\nhung.join(60)\nprint('joined', not hung.is_alive())\n"
+                    "s.heartbeat_interval = 5.0\n", timeout=120)
+    assert "--- rank 0: all_reduce in cell line 4 ---" in out.stdout, out.stdout
+    assert re.search(r"--- rank 1: (\w+ in )?cell line 3 ---", out.stdout), out.stdout
+    assert "Thread the cell's:" in out.stdout and "time.sleep(12)" in out.stdout  # rank 1's own line
+    assert "joined True" in out.stdout
+
+
+def test_identical_lines_of_the_ranks_show_once(kernel):
+    """(On by default above 2 ranks: tests/test_debugger_logic.py.)"""
+    kernel.ok("%config ScaleSession.collapse_output = True")
+    out = kernel.ok("%%distribute\nprint('epoch 1 done')\nif rank == 1:\n    print('only rank 1')\n"
+                    "print('loss', rank)\n")
+    kernel.ok("%config ScaleSession.collapse_output = None")
+    assert out.stdout.count("epoch 1 done") == 1 and "[rank 0-1] epoch 1 done" in out.stdout
+    assert "[rank 1] only rank 1" in out.stdout
+    assert "[rank 0] loss 0" in out.stdout and "[rank 1] loss 1" in out.stdout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports(kernel):
+    kernel.ok("import time, torch, jupyter_scale\nimport torch.distributed as dist")
+    kernel.ok("%%distribute --workers 2\nimport time, torch\nimport torch.distributed as dist\n")
