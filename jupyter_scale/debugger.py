@@ -183,32 +183,32 @@ def gather_stacks(store: dict, ranks: list[int], timeout: float) -> dict[int, st
 
 
 def stacks(store: dict | None, workers: list[dict], lost: list[int], idle: Callable[[list[int]], list] | None,
-           beats: dict[int, dict], timeout: float) -> str:
-    """Every rank's stacks: through the group's `store` where it has one (a running or hung cell's
-    ranks answer), else, between cells, through the engine (`idle(ranks)`: worker.stacks's answers)."""
+           timeout: float) -> str:
+    """Every rank's stacks. While a cell runs (`idle` None), through the group's `store`: each
+    rank's watch thread answers, in a hung collective too. Between cells, through the engine
+    (`idle(ranks)`: worker.stacks's answers), but for the `lost` ranks, which did not stop when
+    told: the store again (a stuck rank's watch still answers; a dead one's does not)."""
     ranks = list(range(len(workers)))
+    through_store = ranks if idle is None else [r for r in ranks if r in lost]
     found: dict[int, str] = {}
-    if store is not None:
+    if store is not None and through_store:
         try:
-            found = gather_stacks(store, ranks, timeout)
+            found = gather_stacks(store, through_store, timeout)
         except Exception:  # the store is gone with its group
             log.debug("asking for stacks through the store failed", exc_info=True)
-    missing = [r for r in ranks if r not in found and r not in lost]
-    if missing and idle is not None:
-        found.update((a[0]["rank"], a[0]["stacks"]) for a in idle(missing))
-    where = {r: b.get("where") for r, b in beats.items()}
+    if idle is not None and (asked := [r for r in ranks if r not in lost]):
+        found.update((a[0]["rank"], a[0]["stacks"]) for a in idle(asked))
     hosts = {r: w["hostname"] for r, w in enumerate(workers)} if len({w["node"] for w in workers}) > 1 else {}
-    return format_stacks(found, where, hosts)
+    return format_stacks(found, len(workers), hosts)
 
 
-def format_stacks(stacks: dict[int, str], where: dict[int, str | None], hosts: dict[int, str]) -> str:
-    """One section per rank: where it is (the cell's line, what it waits in), then its threads."""
+def format_stacks(stacks: dict[int, str], world_size: int, hosts: dict[int, str]) -> str:
+    """One section per rank, headed by where it is (debugging.stacks' first line), then its threads."""
     parts = []
-    for rank in sorted(set(stacks) | set(where)):
-        place = where.get(rank)
-        head = f"--- rank {rank}" + (f" on {hosts[rank]}" if rank in hosts else "") + (f": {place}" if place else "")
-        body = stacks.get(rank, "(no answer: the process holds the interpreter, or is gone)\n")
-        parts.append(f"{head} ---\n{body.rstrip()}\n")
+    for rank in range(world_size):
+        place, _, body = stacks.get(rank, "no answer\n(the process holds the interpreter, or is gone)").partition("\n")
+        head = f"--- rank {rank}" + (f" on {hosts[rank]}" if rank in hosts else "") + f": {place} ---"
+        parts.append(f"{head}\n{body.rstrip()}\n" if body.strip() else f"{head}\n")
     return "\n".join(parts)
 
 

@@ -132,21 +132,28 @@ def where_now(thread: int | None, collective: str | None) -> str | None:
 
 
 def stacks() -> str:
-    """Every thread's Python stack, the cell's first, with the cells' lines (they are in
-    linecache); "idle" between cells."""
+    """Where the cell is (its first line: see where), then every thread's Python stack, the
+    cell's first, with the cells' lines (they are in linecache); "idle" between cells."""
     cell = _cell_thread
     if cell is None:
         return "idle: no cell is running\n"
+    from . import collectives
+
+    place = where_now(cell, collectives.heartbeat_status()["collective"]) or "outside the notebook's code"
     names = {t.ident: t.name for t in threading.enumerate()}
     frames = sys._current_frames()
     parts = []
     for ident in sorted(frames, key=lambda i: i != cell):
         if ident == threading.get_ident():
             continue  # the thread that asks
-        lines = traceback.format_list(traceback.extract_stack(frames[ident]))
+        stack = traceback.extract_stack(frames[ident])
+        if ident == cell:  # from the cell's own frame on: what calls it is the engine's
+            first = next((i for i, f in enumerate(stack) if f.filename.startswith(CELL_PREFIX)), 0)
+            stack = traceback.StackSummary.from_list(stack[first:])
+        lines = traceback.format_list(stack)
         name = "the cell's" if ident == cell else names.get(ident, ident)
         parts.append(f"Thread {name}:\n{''.join(lines)}")
-    return "\n".join(parts)
+    return f"{place}\n" + "\n".join(parts)
 
 
 # --------------------------------------------------------------------------------------

@@ -444,6 +444,8 @@ class AbortWatch:
         self._sockets = group_sockets
         self._poll = poll
         self._stop = threading.Event()
+        self._cut_done = threading.Event()
+        self._cut_lock = threading.Lock()
         self._answered = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="jupyter_scale-abort-watch", daemon=True)
         self._thread.start()
@@ -451,19 +453,20 @@ class AbortWatch:
             threading.Thread(target=self._guard, name="jupyter_scale-abort-guard", daemon=True).start()
 
     def _run(self) -> None:
+        # After the cut it answers for the stacks still: a rank that does not stop is stuck
+        # somewhere, and where is what the user asks next.
         while not self._stop.wait(self._poll):
             try:
-                asked = self._store.check([ABORT_KEY])  # reads only: the store does not grow
+                asked = not self._cut_done.is_set() and self._store.check([ABORT_KEY])  # reads only
                 if self._stacks is not None and self._store.check([STACKS_KEY]):
                     self._answer_stacks()
             except Exception:  # the store went away: with rank 0 (across hosts), or with its group
-                asked = self._remote
+                asked = self._remote and not self._cut_done.is_set()
             if self._stop.is_set():
                 return
             self._answered = time.monotonic()
             if asked:
                 self._cut()
-                return
 
     def _answer_stacks(self) -> None:
         asked = int(self._store.get(STACKS_KEY))
@@ -473,13 +476,15 @@ class AbortWatch:
             self._store.set(stacks_key(asked, self._rank), self._stacks())
 
     def _guard(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(1.0) and not self._cut_done.is_set():
             if time.monotonic() - self._answered > self.UNREACHABLE_S:
                 self._cut()
-                return
 
     def _cut(self) -> None:
-        self._stop.set()  # once: the other thread ends too
+        with self._cut_lock:  # once, from whichever thread sees the cause first
+            if self._cut_done.is_set():
+                return
+            self._cut_done.set()
         cut_connections(self._sockets)
         if self._on_cut is not None:
             self._on_cut()

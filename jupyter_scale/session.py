@@ -579,9 +579,9 @@ class ScaleSession(SessionSettings):
         """Every rank's Python stacks (all threads), each headed by where its cell is; also
         while a cell runs or hangs (from another thread)."""
         cell = self._cell if self._cell is not None and self._cell.job is not None else None
-        store = self.group.store if self.group is not None and self.standing.group_ready else None
+        store = self.group.store if self.group is not None else None
         idle = None if cell is not None else lambda ranks: self.call(worker.stacks, ranks=ranks)
-        return debugger.stacks(store, self.workers, self.standing.lost, idle, cell.beats if cell else {}, timeout)
+        return debugger.stacks(store, self.workers, self.standing.lost, idle, timeout)
 
     def history(self, as_frame: bool = False):
         """The points the last run reported (all ranks, in time order): a list of dicts with

@@ -19,6 +19,7 @@ class CellResult:
     comms: list = field(default_factory=list)  # comm_open / comm_msg / comm_close contents, in order
     payload: list = field(default_factory=list)  # the execute reply's payloads
     prompts: list = field(default_factory=list)  # the kernel's input requests' prompts, in order
+    answered: list = field(default_factory=list)  # (prompt, answer) of those answered
 
     @property
     def ok(self) -> bool:
@@ -99,19 +100,13 @@ class Kernel:
             if remaining <= 0:
                 self.manager.interrupt_kernel()
                 raise TimeoutError(f"cell did not finish within {timeout} s:\n{code}\n--- so far:\n{out.stdout}{out.stderr}")
-            if stdin is not None:
-                try:
-                    request = self.client.get_stdin_msg(timeout=0)
-                except queue.Empty:
-                    pass
-                else:
-                    out.prompts.append(request["content"]["prompt"])
-                    answer = stdin(request["content"]["prompt"])
-                    if answer is not None:  # None: no answer (the caller interrupts the kernel instead)
-                        self.client.input(answer)
             try:
                 msg = self.client.get_iopub_msg(timeout=min(remaining, 0.05 if stdin is not None else 1.0))
             except queue.Empty:
+                # Input requests are answered once the output before them is read, as a
+                # frontend shows it above its input box.
+                if stdin is not None:
+                    self._answer_input(out, stdin)
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -135,6 +130,18 @@ class Kernel:
                     on_comm(kind, content)
             elif kind == "status" and content["execution_state"] == "idle":
                 return out
+
+    def _answer_input(self, out: CellResult, stdin) -> None:
+        try:
+            request = self.client.get_stdin_msg(timeout=0)
+        except queue.Empty:
+            return
+        prompt = request["content"]["prompt"]
+        out.prompts.append(prompt)
+        answer = stdin(prompt)
+        if answer is not None:  # None: no answer (the caller interrupts the kernel instead)
+            out.answered.append((prompt, answer))
+            self.client.input(answer)
 
     def ok(self, code: str, timeout: float = 180, history: bool = False) -> CellResult:
         """Run a cell that must succeed; fail the test with its error otherwise."""

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+
 from conftest import ENGINES, kernel_fixture
 
 pytestmark = pytest.mark.cluster
@@ -50,8 +51,8 @@ def test_two_ranks_at_one_breakpoint_are_served_and_cast_to(kernel):
         return "p rank * 100" if len(answer.asked) <= 2 else "@all c"
 
     answer.asked = []
-    out = kernel.cell("%%distribute\nbreakpoint()\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nprint('sum', t.item())\n",
-                      stdin=answer, timeout=120)
+    out = kernel.cell("%%distribute\nbreakpoint()\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
+                      "print('sum', t.item())\n", stdin=answer, timeout=120)
     assert out.ok, out.error_text
     assert sorted(answer.asked[:2]) == ["[rank 0] (Pdb) ", "[rank 1] (Pdb) "]
     assert len(answer.asked) == 3  # @all answered the other rank's prompt too
@@ -140,7 +141,40 @@ def test_identical_lines_of_the_ranks_show_once(kernel):
     assert "[rank 0] loss 0" in out.stdout and "[rank 1] loss 1" in out.stdout
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _imports(kernel):
+@pytest.fixture(autouse=True)
+def _imports(request):
+    """The module's kernel, with what its cells use (once per kernel)."""
+    if "kernel" not in request.fixturenames:
+        return
+    kernel = request.getfixturevalue("kernel")
+    if getattr(kernel, "debugging_ready", False):
+        return
+    kernel.debugging_ready = True
     kernel.ok("import time, torch, jupyter_scale\nimport torch.distributed as dist")
     kernel.ok("%%distribute --workers 2\nimport time, torch\nimport torch.distributed as dist\n")
+
+
+def test_the_debugging_notebook_runs_live_with_its_answers(fresh_kernel):
+    """examples/debugging.ipynb's prompts are answered here with the answers its cells keep
+    (nbval runs its other cells): the same prompts, and what the cells showed, as stored."""
+    import json
+    from pathlib import Path
+
+    notebook = json.loads((Path(__file__).parent.parent / "examples" / "debugging.ipynb").read_text())
+    for cell in (c for c in notebook["cells"] if c["cell_type"] == "code"):
+        source = "".join(cell["source"])
+        answers = list(cell["metadata"].get("jupyter_scale", {}).get("answers", []))
+        if not answers:
+            fresh_kernel.cell(source, timeout=300, history=True)
+            continue
+        out = fresh_kernel.cell(source, timeout=300, history=True, stdin=lambda prompt, typed=answers: typed.pop(0))
+        assert out.ok and not answers, out.error_text
+        stored = "".join("".join(o["text"]) for o in cell["outputs"] if o.get("name") == "stdout")
+        shown = "".join(f"{prompt}{answer}\n" for prompt, answer in out.answered)
+        typed = [line for line in stored.splitlines() if "(Pdb) " in line]
+        assert shown.splitlines() == typed
+
+        def fixed(text):  # a loss's digits vary between runs
+            return {re.sub(r"\d+\.\d+", "#", line) for line in text.splitlines() if "(Pdb) " not in line}
+
+        assert fixed(stored) <= fixed(out.stdout), (stored, out.stdout)

@@ -158,6 +158,26 @@ assert "big" not in record.shipped and record.bytes_shipped < 1e6, record.shippe
     k.ok("del big, big_before")
 
 
+def test_a_rank_on_another_host_is_debugged_from_the_notebook(multihost):
+    """Its debugger's answers come through the group's store on rank 0's host (a TCPStore)."""
+    k = multihost.kernel
+    rank3_host = k.value("jupyter_scale.get_session().workers[3]['hostname']")
+    typed = ["p socket.gethostname()", "c"]
+    out = k.cell("%%distribute\nimport socket, torch\nimport torch.distributed as dist\nif rank == 3:\n"
+                 "    breakpoint()\nt = torch.ones(1)\ndist.all_reduce(t)\n", stdin=lambda prompt: typed.pop(0),
+                 timeout=120)
+    assert out.ok, out.error_text
+    assert out.prompts == ["[rank 3] (Pdb) "] * 2 and f"[rank 3] '{rank3_host}'" in out.stdout
+    out = k.cell("%%distribute\nif rank == 2:\n    where = socket.gethostname()\n    raise RuntimeError(where)\n",
+                 timeout=120)
+    assert "rank 2 failed: RuntimeError" in out.error_text
+    typed[:] = ["p where", "c"]
+    out = k.cell("%scale debug", stdin=lambda prompt: typed.pop(0), timeout=120)
+    assert out.ok and out.prompts == ["[rank 2] (Pdb) "] * 2, out.error_text
+    rank2_host = k.value("jupyter_scale.get_session().workers[2]['hostname']")
+    assert f"[rank 2] '{rank2_host}'" in out.stdout
+
+
 def test_the_ranks_meet_where_the_user_says_or_connecting_says_why_not(multihost):
     k = multihost.kernel
     line = _connect_line(multihost.engine, multihost.cluster)
