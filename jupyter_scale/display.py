@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +60,11 @@ class LineLabeler:
     in the order they came, each rank's in its own order.
     """
 
-    def __init__(self, max_partial: int = 64 * 1024, world_size: int = 1, collapse_window: float = 0.0) -> None:
+    def __init__(self, max_partial: int = 64 * 1024, world_size: int = 1, collapse_window: float = 0.0,
+                 on_line: Callable[[list[int], str, str], None] | None = None) -> None:
         self.max_partial = max_partial
         self.world_size, self.collapse_window = world_size, collapse_window
+        self.on_line = on_line  # told of each finished line: (ranks, stream, text)
         self._partial: dict[tuple[int, str], io.StringIO] = {}
         self._after_cr: set[tuple[int, str]] = set()  # streams whose last character was \r
         self._held: collections.deque[_Held] = collections.deque()
@@ -70,10 +73,16 @@ class LineLabeler:
         self._ids = itertools.count()
 
     @classmethod
-    def for_cell(cls, world_size: int, collapse: bool | None, window: float) -> LineLabeler:
+    def for_cell(cls, world_size: int, collapse: bool | None, window: float,
+                 on_line: Callable[[list[int], str, str], None] | None = None) -> LineLabeler:
         """A cell's labeler: lines collapse if `collapse`, or where it is None, above 2 ranks."""
         collapse = world_size > 2 if collapse is None else collapse
-        return cls(world_size=world_size, collapse_window=window if collapse else 0.0)
+        return cls(world_size=world_size, collapse_window=window if collapse else 0.0, on_line=on_line)
+
+    def _labelled(self, ranks: list[int], stream: str, text: str, ending: str) -> str:
+        if self.on_line is not None and ending == "\n":
+            self.on_line(ranks, stream, text)
+        return f"[rank {rank_span(ranks)}] {text}{ending}"
 
     @property
     def collapsing(self) -> bool:
@@ -101,7 +110,7 @@ class LineLabeler:
             self._held_by_text[(held.stream, held.text)].remove(held)
             if not self._held_by_text[(held.stream, held.text)]:
                 del self._held_by_text[(held.stream, held.text)]
-            out.append((held.stream, f"[rank {rank_span(held.ranks)}] {held.text}\n"))
+            out.append((held.stream, self._labelled(held.ranks, held.stream, held.text, "\n")))
         return out
 
     def feed(self, rank: int, stream: str, text: str) -> str:
@@ -116,7 +125,7 @@ class LineLabeler:
             if self.collapsing and ch == "\n" and (segment or not after_cr):
                 self._hold(rank, stream, segment)
             elif segment or (ch == "\n" and not after_cr):  # a blank line, not the \n of a \r\n
-                out.append(f"[rank {rank}] {segment}{ch}")
+                out.append(self._labelled([rank], stream, segment, ch))
             else:
                 out.append(ch)
             start = i + 1
@@ -130,12 +139,13 @@ class LineLabeler:
                 partial = self._partial[key] = io.StringIO()
             partial.write(text[start:])
             if partial.tell() >= self.max_partial:
-                out.append(f"[rank {rank}] {self._partial.pop(key).getvalue()}\n")
+                out.append(self._labelled([rank], stream, self._partial.pop(key).getvalue(), "\n"))
         return "".join(out)
 
     def flush(self) -> list[tuple[str, str]]:
         rest = self.due(everything=True)
-        rest += [(stream, f"[rank {rank}] {text.getvalue()}\n") for (rank, stream), text in sorted(self._partial.items())]
+        rest += [(stream, self._labelled([rank], stream, text.getvalue(), "\n"))
+                 for (rank, stream), text in sorted(self._partial.items())]
         self._partial.clear()
         self._after_cr.clear()
         return rest
@@ -169,6 +179,12 @@ class RunView:
             self._dirty = True
         elif "kind" not in event:
             self.text.add(event)
+
+    def line(self, ranks: list[int], stream: str, text: str) -> None:
+        """A line the ranks printed (for the dashboard's output, which filters by rank)."""
+        if self.feed is not None:
+            self.feed.add_output(ranks, stream, text)
+            self._dirty = True
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -432,7 +432,7 @@ class ScaleSession(SessionSettings):
             workers=self.workers, placement=self.placement, events=self.events, limits=self._wait_limits(),
             run_id=self._run_id(), request_abort=self._request_abort, notify=self._notify,
             prompts=RankPrompts(request.get("mailbox"), request.get("events_key", ""), request["run"], self.size),
-            labeler=self._labeler())
+            labeler=LineLabeler.for_cell(self.size, self.collapse_output, self.collapse_window, end.view.line))
         answered = False
         try:
             outcome = cell.wait()
@@ -510,9 +510,6 @@ class ScaleSession(SessionSettings):
             self.standing.lost = sorted(set(self.standing.lost) | set(stuck))
             self.standing.group_ready = False
         return not stuck
-
-    def _labeler(self) -> LineLabeler:
-        return LineLabeler.for_cell(self.size, self.collapse_output, self.collapse_window)
 
     def _wait_limits(self) -> WaitLimits:
         return WaitLimits(poll_interval=self.poll_interval, abort_grace=self.abort_grace,

@@ -32,7 +32,8 @@ NOTEBOOK = {
          "source": "%load_ext jupyter_scale"},
         {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
          "source": "%%distribute --workers 2 --steps 60\nimport time\nfor i in range(60):\n"
-                   "    report(loss=1.0 / (i + 1) + 0.1 * rank, lr=0.1 * 0.9 ** i)\n    time.sleep(0.05)"},
+                   "    report(loss=1.0 / (i + 1) + 0.1 * rank, lr=0.1 * 0.9 ** i)\n"
+                   "    if i % 20 == 0:\n        print(f'step {i} on rank {rank}')\n    time.sleep(0.05)"},
     ],
     "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
     "nbformat": 4, "nbformat_minor": 5,
@@ -186,6 +187,13 @@ def test_dashboard_shows_both_ranks_and_finishes(lab):
         readout = dashboard.locator(".js-readout").inner_text()
         assert readout.startswith("step ") and "rank 0" in readout and "rank 1" in readout and "mean" in readout
         dashboard.screenshot(path=str(SCREENSHOTS / "dashboard-lr-log-smoothed.png"))
+        # The ranks' output, by rank.
+        dashboard.locator(".js-output-box summary").click()
+        lines = dashboard.locator(".js-output .js-line")
+        assert lines.count() == 6 and dashboard.locator(".js-output-count").inner_text() == "6 lines"
+        dashboard.locator(".js-output-rank").select_option("1")
+        assert lines.all_inner_texts() == [f"[rank 1] step {i} on rank 1" for i in (0, 20, 40)]
+        dashboard.screenshot(path=str(SCREENSHOTS / "dashboard-output-rank-1.png"))
 
 
 def _rgb(hex_color: str) -> str:

@@ -146,3 +146,27 @@ def test_the_chart_leaves_out_what_it_cannot_place_and_means_come_as_points_arri
     feed.add({"rank": 1, "step": 2, "time": 3.0, "loss": 4.0})
     assert feed.not_finite == 2
     assert feed.series() == {"0": [[2, 2.0]], "1": [[0, 1.0], [1, 3.0], [2, 4.0]], "mean": [[2, 3.0]]}
+
+
+def test_the_ranks_lines_reach_the_widget_with_whose_they_are():
+    """The dashboard's output view filters by rank: each line comes with the ranks that printed
+    it (several, for a line they printed alike), and only the last MAX_OUTPUT_LINES."""
+    from jupyter_scale.display import LineLabeler
+    from jupyter_scale.widgets.dashboard import MAX_OUTPUT_LINES
+
+    feed = DashboardFeed(world_size=3)
+    labeler = LineLabeler.for_cell(3, None, 60, on_line=feed.add_output)
+    for rank in range(3):
+        labeler.feed(rank, "stdout", "epoch 1 done\n")
+    labeler.feed(2, "stderr", "warning on 2\n")
+    labeler.feed(1, "stdout", "progress\r")  # a line redrawn in place is not kept
+    labeler.flush()
+    assert list(feed.output) == [[[0, 1, 2], "stdout", "epoch 1 done"], [[2], "stderr", "warning on 2"]]
+    widget = Dashboard()
+    sent = []
+    widget._send = lambda msg, buffers=None: sent.append(msg)
+    feed.push(widget)
+    assert sent[-1]["state"]["output"] == [[[0, 1, 2], "stdout", "epoch 1 done"], [[2], "stderr", "warning on 2"]]
+    for i in range(MAX_OUTPUT_LINES + 5):
+        feed.add_output([0], "stdout", f"line {i}")
+    assert len(feed.output) == MAX_OUTPUT_LINES and feed.output[-1][2] == f"line {MAX_OUTPUT_LINES + 4}"

@@ -1,6 +1,6 @@
 // The %%distribute dashboard: state, progress, the reported scalars per rank (+ their mean)
 // on a chart with axes, a legend, a metric choice, log scale, smoothing and a hover read-out,
-// and the worker table. The kernel sends every metric's curves; choosing among them, the
+// the worker table, and the ranks' last lines of output, by rank. The kernel sends every metric's curves; choosing among them, the
 // scale and the smoothing happen here (the kernel does not answer while the cell runs).
 const SVG = "http://www.w3.org/2000/svg";
 const [W, H] = [480, 210];
@@ -122,6 +122,16 @@ function nearest(curve, step) {
   return lo > 0 && step - curve[lo - 1][0] < curve[lo][0] - step ? curve[lo - 1] : curve[lo];
 }
 
+// [0, 1, 2, 5] -> "0-2,5", as the kernel labels lines that several ranks printed alike.
+function rankSpan(ranks) {
+  const spans = [];
+  for (const r of [...ranks].sort((a, b) => a - b)) {
+    if (spans.length && r === spans[spans.length - 1][1] + 1) spans[spans.length - 1][1] = r;
+    else spans.push([r, r]);
+  }
+  return spans.map(([a, b]) => (b > a ? `${a}-${b}` : `${a}`)).join(",");
+}
+
 function render({ model, el }) {
   el.classList.add("jupyter-scale");
   el.innerHTML = `<div class="js-head"><b>jupyter_scale</b><span class="js-state"></span>
@@ -130,7 +140,9 @@ function render({ model, el }) {
     <label><input type="checkbox" class="js-log"> log scale</label>
     <label><input type="checkbox" class="js-smooth"> smooth</label></div>
     <svg class="js-chart" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}"></svg>
-    <div class="js-legend"></div><div class="js-readout">&nbsp;</div><table class="js-workers"></table>`;
+    <div class="js-legend"></div><div class="js-readout">&nbsp;</div><table class="js-workers"></table>
+    <details class="js-output-box"><summary>output (<span class="js-output-count">0 lines</span>)</summary>
+    <select class="js-output-rank" title="whose lines to show"></select><pre class="js-output"></pre></details>`;
   const q = s => el.querySelector(s);
   let chosen = "", drawn = null;
   const drawChart = () => {
@@ -208,10 +220,33 @@ function render({ model, el }) {
       table.appendChild(tr);
     }
   };
+  let shownRank = "all";
+  const drawOutput = () => {
+    const select = q(".js-output-rank");
+    const choices = ["all", ...(model.get("workers") || []).map(row => String(row.rank))];
+    if (select.options.length !== choices.length) {
+      select.replaceChildren(...choices.map(c => Object.assign(document.createElement("option"),
+        { value: c, textContent: c === "all" ? "all ranks" : `rank ${c}` })));
+    }
+    select.value = shownRank;
+    const lines = (model.get("output") || [])
+      .filter(([ranks]) => shownRank === "all" || ranks.includes(Number(shownRank)));
+    q(".js-output").replaceChildren(...lines.map(([ranks, stream, text]) => {
+      const line = document.createElement("div");
+      line.className = stream === "stderr" ? "js-line js-stderr" : "js-line";
+      line.dataset.ranks = ranks.join(",");
+      line.textContent = `[rank ${rankSpan(ranks)}] ${text}`;
+      return line;
+    }));
+    q(".js-output-count").textContent = `${lines.length} line${lines.length === 1 ? "" : "s"}`;
+  };
+  q(".js-output-rank").addEventListener("change", e => { shownRank = e.target.value; drawOutput(); });
+  for (const name of ["output", "workers"]) model.on(`change:${name}`, drawOutput);
   for (const name of ["state", "message", "progress", "workers", "lost"]) model.on(`change:${name}`, draw);
   for (const name of ["series", "metrics", "metric"]) model.on(`change:${name}`, drawChart);
   draw();
   drawChart();
+  drawOutput();
 }
 
 export default { render };

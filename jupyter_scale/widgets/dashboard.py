@@ -10,6 +10,7 @@ ends, so the notebook stays readable when reopened without a kernel.
 from __future__ import annotations
 
 import bisect
+import collections
 import html
 import math
 import pathlib
@@ -24,6 +25,7 @@ MAX_POINTS = 400  # per curve on the chart; the full history stays in the kernel
 # or metrics get fewer points per curve (never fewer than MIN_POINTS).
 POINTS_PER_PUSH = 2400
 MIN_POINTS = 20
+MAX_OUTPUT_LINES = 500  # of the ranks' output, for the dashboard's view by rank (the cell keeps all)
 _META = ("rank", "step", "time", "epoch", "kind")
 
 
@@ -45,6 +47,7 @@ class Dashboard(anywidget.AnyWidget):
     workers: traitlets.List[dict] = traitlets.List().tag(sync=True)  # one row per rank
     lost = traitlets.Int(0).tag(sync=True)
     colors = traitlets.List(PALETTE).tag(sync=True)
+    output: traitlets.List[list] = traitlets.List().tag(sync=True)  # the last lines: [[ranks, stream, text], ...]
 
 
 class DashboardFeed:
@@ -63,6 +66,11 @@ class DashboardFeed:
         self.state, self.message, self.lost = "starting", "", 0
         self._rate_mark: dict[int, tuple[float, int]] = {}
         self._rates: dict[int, float] = {}  # rank -> steps/s, unrounded (a slow model's can be far below 0.1)
+        self.output: collections.deque[list] = collections.deque(maxlen=MAX_OUTPUT_LINES)
+
+    def add_output(self, ranks: list[int], stream: str, text: str) -> None:
+        """A line that `ranks` printed (one rank's, or several ranks' alike)."""
+        self.output.append([list(ranks), stream, text])
 
     def add(self, event: dict) -> None:
         rank = event.get("rank", 0)
@@ -168,6 +176,7 @@ class DashboardFeed:
             # Copies: traitlets compares with the previous value, which would share these dicts.
             widget.workers = [dict(self.rows[r]) for r in sorted(self.rows)]
             widget.lost = self.lost
+            widget.output = list(self.output)
 
 
 def _downsample(curve: list[list[float]], limit: int = MAX_POINTS) -> list[list[float]]:
