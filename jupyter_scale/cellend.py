@@ -42,6 +42,7 @@ class WorkerStanding:
     group_ready: bool = False  # False once a cell cut the group: the next cell forms it anew
     resync: bool = False  # a cell failed: the next automatic cell equalizes the workers' models
     register_back: dict | None = None  # rank 0's tokens of the last values it sent back (see worker)
+    sources_sent: set[str] = field(default_factory=set)  # notebook cells' files whose lines they hold
 
 
 @dataclass

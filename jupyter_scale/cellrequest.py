@@ -6,7 +6,12 @@ its plan and shipment (shipping), what the kernel knows of its workers
 
 from __future__ import annotations
 
+import linecache
+import os
 import sys
+import types
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -91,4 +96,32 @@ def build(code: str, record: RunRecord, names: list[str], plan: Plan, shipment: 
         "overlap": settings.average_during_backward,
         "write_watch": settings.write_watch,
         "mailbox": mailbox,
+        "sources": notebook_sources(plan.values, namespace, standing.sources_sent),
     }
+
+
+def notebook_sources(values: dict, namespace: dict, sent: set[str]) -> dict[str, str]:
+    """The lines of the notebook cells that defined the functions and classes among `values`
+    (or the classes of values), those the workers do not hold yet (`sent`, updated): their
+    tracebacks and debuggers show notebook code's lines, as the kernel's do."""
+    files = {fn.__code__.co_filename for value in values.values() for fn in _notebook_functions(value, namespace)}
+    found = {}
+    for filename in sorted(files - sent):
+        lines = linecache.getlines(filename)
+        if lines and not os.path.exists(filename):  # a cell's: no file a worker could read
+            found[filename] = "".join(lines)
+    sent.update(found)
+    return found
+
+
+def _notebook_functions(value: Any, namespace: dict) -> Iterator[types.FunctionType]:
+    if isinstance(value, types.FunctionType):
+        if value.__globals__ is namespace:
+            yield value
+        return
+    cls = value if isinstance(value, type) else type(value)
+    if cls.__module__ == "__main__":
+        for attribute in vars(cls).values():
+            function = getattr(attribute, "__func__", attribute)  # a classmethod's, a staticmethod's
+            if isinstance(function, types.FunctionType):
+                yield function

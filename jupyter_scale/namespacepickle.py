@@ -11,8 +11,9 @@ notebook's values (shipping, byvalue) mixes in `NamespacePickler`.
 from __future__ import annotations
 
 import enum
+from collections import ChainMap
 from collections.abc import Collection
-from types import FunctionType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 import cloudpickle.cloudpickle as _cloudpickle
@@ -36,6 +37,14 @@ def shared_by_identity(value: Any, namespace: dict) -> bool:
     return not isinstance(value, FunctionType) or value.__globals__ is namespace
 
 
+def _code_keeping_its_file(code: CodeType) -> tuple:
+    """cloudpickle names every code object's file "<dynamic-code>": the notebook cell's own name
+    stays, so the workers' tracebacks and debuggers show its lines (the cell's request carries
+    them: see cellrequest.notebook_sources)."""
+    constructor, args = _cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+
+
 class NamespacePickler:
     """A cloudpickle pickler mixin: values that live in the namespace stay the namespace's.
 
@@ -56,6 +65,7 @@ class NamespacePickler:
     """
 
     namespace: dict | None = None
+    dispatch_table = ChainMap({CodeType: _code_keeping_its_file}, _cloudpickle.Pickler.dispatch_table)
 
     def _init_namespace(self, namespace: dict | None, named: dict[int, str] | None = None,
                         inline: Collection[int] = frozenset()) -> None:

@@ -91,6 +91,7 @@ class CellRequest(_CellRequired, total=False):
     write_watch: bool  # hash again only the tensor pages written since (see writewatch)
     shared_frames: dict | None  # where the big frames are in the kernel's shared memory
     mailbox: dict | None  # the group's store: the debugger's answers come through it (see debugging)
+    sources: dict[str, str]  # filename -> the lines of notebook cells that defined the code sent
 
 
 class Failure(TypedDict):

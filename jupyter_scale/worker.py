@@ -398,6 +398,8 @@ def run_cell(request: CellRequest, *frames: Any) -> tuple:
                                       _state.receiver.replace)
             _inject()
             _register_source(request["filename"], request["code"])
+            for filename, text in request.get("sources", {}).items():  # the notebook functions' own cells
+                _register_source(filename, text)
             code = compile(request["code"], request["filename"], "exec")
             if rank == 0 and (watch := request.get("watch")) is not None:
                 snapshot = statesync.Snapshot(_state.namespace, watch)

@@ -92,9 +92,11 @@ def test_a_frontend_that_answers_no_input_fails_the_cell_naming_the_rank(kernel)
 
 
 def test_post_mortem_opens_pdb_where_rank_1_raised(kernel):
-    out = kernel.cell("%%distribute\ndef step(v):\n    scale = v * 3\n    raise ValueError(f'bad {scale}')\n"
-                      "if rank == 1:\n    step(7)\n", timeout=120)
+    """In a function the notebook defined (its cell's lines come with it) called by the cell."""
+    kernel.ok("def step(v):\n    scale = v * 3\n    raise ValueError(f'bad {scale}')\n")
+    out = kernel.cell("%%distribute\nif rank == 1:\n    step(7)\n", timeout=120)
     assert out.error is not None and "rank 1 failed: ValueError: bad 21" in out.error_text
+    assert "raise ValueError(f'bad {scale}')" in out.error_text  # the traceback shows the notebook's line
     answer = _answers("p scale", "up", "p rank", "q")
     out = kernel.cell("%scale debug", stdin=answer, timeout=120)
     assert out.ok, out.error_text
