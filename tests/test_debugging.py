@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ENGINES, kernel_fixture
+from conftest import DEFAULT_ENGINES, ENGINES, kernel_fixture, on_engines
 
 pytestmark = pytest.mark.cluster
 
@@ -130,6 +130,8 @@ def test_stacks_name_the_collective_a_hung_rank_waits_in(kernel):
     assert re.search(r"--- rank 1: (\w+ in )?cell line 3 ---", out.stdout), out.stdout
     assert "Thread the cell's:" in out.stdout and "time.sleep(12)" in out.stdout  # rank 1's own line
     assert "joined True" in out.stdout
+    idle = kernel.ok("%scale stacks").stdout
+    assert "--- rank 0: idle: no cell is running ---" in idle and "--- rank 1: idle: no cell is running ---" in idle
 
 
 def test_identical_lines_of_the_ranks_show_once(kernel):
@@ -141,6 +143,23 @@ def test_identical_lines_of_the_ranks_show_once(kernel):
     assert out.stdout.count("epoch 1 done") == 1 and "[rank 0-1] epoch 1 done" in out.stdout
     assert "[rank 1] only rank 1" in out.stdout
     assert "[rank 0] loss 0" in out.stdout and "[rank 1] loss 1" in out.stdout
+
+
+@on_engines(DEFAULT_ENGINES)
+def test_stacks_of_a_rank_that_would_not_stop(kernel):
+    """A rank that ignores the interrupt is given up on; `%scale stacks` still shows where it is
+    (its group watch answers after the group was cut), then the next cell replaces it."""
+    kernel.ok("jupyter_scale.get_session().stop_deadline = 3.0")
+    threading.Timer(2.0, kernel.manager.interrupt_kernel).start()
+    out = kernel.cell("%%distribute\nimport signal\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                      "    time.sleep(60)\n", timeout=120)
+    assert out.error is not None and "ranks [1] did not stop within 3 s" in out.error_text, out.error_text
+    stacks = kernel.ok("%scale stacks", timeout=60).stdout
+    assert "--- rank 1: cell line 4 ---" in stacks and "time.sleep(60)" in stacks, stacks
+    assert "--- rank 0: idle: no cell is running ---" in stacks
+    kernel.ok("jupyter_scale.get_session().stop_deadline = 15.0")
+    out = kernel.ok("%%distribute\nimport time, torch\nimport torch.distributed as dist\n")  # fresh workers
+    assert "restarting" in out.stdout + out.stderr
 
 
 @pytest.fixture(autouse=True)
