@@ -44,12 +44,11 @@ STOP, NO_STDIN = "\x00stop", "\x00no-stdin"
 SKIP = ("jupyter_scale", "jupyter_scale.*", "ipyparallel.*", "ipykernel.*", "distributed.*", "ray.*",
         "concurrent.*", "threading", "asyncio.*", "tornado.*", "zmq.*", "contextlib", "runpy")
 CELL_PREFIX = "<distribute-cell-"
-DEBUGGER = "debugger"  # the patches' feature
 
 _BREAKPOINT = patches.Patch("sys.breakpointhook", "breakpoint() in a cell stops this rank in a pdb that the "
-                            "notebook answers", DEBUGGER)
+                            "notebook answers", patches.DEBUGGER)
 _SET_TRACE = patches.Patch("pdb.set_trace", "pdb.set_trace() in a cell stops this rank in a pdb that the "
-                           "notebook answers", DEBUGGER)
+                           "notebook answers", patches.DEBUGGER)
 
 
 class NoPrompt(RuntimeError):

@@ -30,6 +30,7 @@ MARKS = "collective marks"
 INTERRUPTS = "interrupts"
 CAPTURE = "output capture"
 LIBRARIES = "library objects"
+DEBUGGER = "debugger"
 
 _MISSING = object()
 _lock = threading.RLock()

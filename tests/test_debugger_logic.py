@@ -225,3 +225,16 @@ def test_lines_collapse_by_default_above_two_ranks(world_size, setting, collapsi
 def test_without_a_window_every_line_is_labelled_at_once():
     labeler = display.LineLabeler(world_size=4)
     assert labeler.feed(0, "stdout", "x\n") == "[rank 0] x\n"
+
+
+def test_which_rank_scale_debug_opens_or_why_none():
+    from jupyter_scale.errors import DistributeError
+
+    assert debugger.rank_to_debug(None, [0, 1], 2, []) == 1  # the last failed cell's
+    assert debugger.rank_to_debug(0, [1], 2, []) == 0
+    for rank, failed, size, lost, why in [(None, [], 2, [], "no %%distribute cell has failed"),
+                                          (None, [1], 0, [], "no cluster is running"),
+                                          (5, [1], 2, [], "rank 5 has no worker"),
+                                          (None, [1], 2, [1], "rank 1 has no worker")]:
+        with pytest.raises(DistributeError, match=why):
+            debugger.rank_to_debug(rank, failed, size, lost)
