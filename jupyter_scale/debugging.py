@@ -248,6 +248,15 @@ class RankPdb(pdb.Pdb):
         super().__init__(stdin=console, stdout=console, skip=SKIP, nosigint=True, readrc=False)
         self.prompt = f"[rank {line.rank}] (Pdb) "
 
+    def setup(self, frame, tb):  # type: ignore[no-untyped-def]
+        # The stack starts at the cell (`bt`, `up` stop there): what called it is the engine's.
+        done = super().setup(frame, tb)
+        first = next((i for i, (f, _) in enumerate(self.stack) if f.f_code.co_filename.startswith(CELL_PREFIX)), 0)
+        if 0 < first <= self.curindex:
+            del self.stack[:first]
+            self.curindex -= first
+        return done
+
     def _cmdloop(self) -> None:
         self.allow_kbdint = True
         try:

@@ -238,3 +238,17 @@ def test_which_rank_scale_debug_opens_or_why_none():
                                           (None, [1], 2, [1], "rank 1 has no worker")]:
         with pytest.raises(DistributeError, match=why):
             debugger.rank_to_debug(rank, failed, size, lost)
+
+
+def test_the_stack_starts_at_the_cell():
+    """`bt` and `up` end at the cell's frame: what called it is the engine's."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        spec = {"file": f"{directory}/store"}
+        typed = iter(["bt", "up", "up", "c"])
+        shown, namespace, failure = _debugged("def f():\n    breakpoint()\n    return 1\nx = f()\n", spec, 0,
+                                              lambda prompt: next(typed))
+    assert failure is None and namespace["x"] == 1
+    assert "<distribute-cell-1>(4)<module>()" in shown and "threading.py" not in shown
+    assert "*** Oldest frame" in shown
