@@ -244,6 +244,7 @@ def post_mortem(calls: Any, backend: Any, events: Any, events_address: str, stor
     job = calls.submit(worker.post_mortem, (events_address, events.key, run), store, ranks=[rank])
     labeler = display.LineLabeler()
     stopped_at: float | None = None
+    events.on_prompt = job.notify
     try:
         while not job.done(rank):
             try:
@@ -266,6 +267,7 @@ def post_mortem(calls: Any, backend: Any, events: Any, events_address: str, stor
             display.write(stream, text)
         done = job.result(rank)[0]
     finally:
+        events.on_prompt = None
         job.release()
     if not done.get("debugged"):
         display.write("stderr", f"jupyter_scale: rank {rank} holds no failed cell (its worker started after the "

@@ -16,6 +16,7 @@ store across hosts cannot type into a rank's debugger.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import io
@@ -33,9 +34,10 @@ from typing import IO, Any, cast
 
 from . import patches
 
-# Seconds between looks at the mailbox while a rank waits for its answer: short, so that an
-# interrupt (raised when the waiting thread next runs Python) ends the wait at once.
-POLL_S = 0.05
+# Seconds a rank waits for its answer in the store at a time: an interrupt (raised when the
+# waiting thread next runs Python) ends the wait within that.
+WAIT_S = 0.2
+POLL_S = 0.05  # between looks at a mailbox that holds an answer not signed by the kernel
 # What the kernel answers to end a rank's debugger: the user interrupted the notebook, or its
 # frontend answers no input requests.
 STOP, NO_STDIN = "\x00stop", "\x00no-stdin"
@@ -181,11 +183,15 @@ class Line:
         where = answer_key(self.run, self.rank, self.seq)
         store = self._mailbox()
         while True:
-            if store.check([where]):
-                answer = verify(self.key, where, store.get(where).decode())
-                if answer is not None:
-                    break
-            time.sleep(POLL_S)  # the interruptible one in a cell's thread (see interrupts)
+            try:
+                store.wait([where], datetime.timedelta(seconds=WAIT_S))
+            except RuntimeError:  # not yet (torch's DistStoreError); a broken store raises below
+                if not store.check([where]):
+                    continue
+            answer = verify(self.key, where, store.get(where).decode())
+            if answer is not None:
+                break
+            time.sleep(POLL_S)  # a forged answer in its place: the kernel's overwrites it
         if answer == STOP:
             raise KeyboardInterrupt("the notebook was interrupted at the debugger's prompt")
         if answer == NO_STDIN:

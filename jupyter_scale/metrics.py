@@ -322,6 +322,7 @@ class EventQueue:
         # clocks agree on one host; across hosts this includes their offset).
         self.latencies: collections.deque = collections.deque(maxlen=100_000)
         self._arrived = threading.Condition()
+        self.on_prompt: Callable[[], None] | None = None  # told when a rank's debugger asks (wakes a wait)
 
     def begin(self, ranks: int) -> str:
         """Start a run of `ranks` ranks; returns its id, for the cell's request. What is left
@@ -353,6 +354,8 @@ class EventQueue:
             self._events.extend(batch["events"])
             self.received[batch["rank"]] += len(batch["events"])
             self._arrived.notify_all()
+        if self.on_prompt is not None and any(e.get("kind") == "debug" for e in batch["events"]):
+            self.on_prompt()
 
     def _open(self, message: Any) -> tuple[str | None, dict | None]:
         """(None, batch) for a well-formed batch signed with our key, else (why not, None)."""

@@ -140,6 +140,15 @@ class CellRun:
     def wait(self) -> Outcome:
         """Stream output until every rank answered; stop the others after a failure.
         Raises RanksStuck for ranks that ignored being stopped."""
+        if self.events is not None:
+            self.events.on_prompt = self.job.notify  # a rank's debugger is answered at once
+        try:
+            return self._wait()
+        finally:
+            if self.events is not None:
+                self.events.on_prompt = None
+
+    def _wait(self) -> Outcome:
         while True:
             try:
                 if self.interrupts.count > self.interrupts.handled:
