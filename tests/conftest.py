@@ -131,6 +131,25 @@ def fresh_kernel():
     _stop_and_check(k)
 
 
+def ranks_of(label: str) -> list[int]:
+    """"0-2,5" -> [0, 1, 2, 5]: the ranks of an output line's label ([rank 0-2,5] ...)."""
+    ranks = []
+    for part in label.split(","):
+        low, _, high = part.partition("-")
+        ranks.extend(range(int(low), int(high or low) + 1))
+    return ranks
+
+
+def per_rank_lines(text: str) -> list[str]:
+    """The lines of `text`, each line that several ranks printed alike ([rank 0-2] x) as one line
+    per rank ([rank 0] x, ...): what was said, whichever lines the timing collapsed."""
+    out = []
+    for line in text.splitlines():
+        found = re.match(r"\[rank ([\d,-]+)\] (.*)$", line)
+        out.extend([f"[rank {r}] {found.group(2)}" for r in ranks_of(found.group(1))] if found else [line])
+    return out
+
+
 def skip_module_unless(unavailable_reason):
     """A module-scoped autouse fixture (assign it to a name of the module): its tests skip,
     with the reason, where `unavailable_reason()` (a probe that tries for real) gives one. At
