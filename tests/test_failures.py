@@ -285,7 +285,8 @@ dist.all_reduce(t)
                                    "all_reduce that rank(s) [0] waited in")
     text = out.error_text
     assert "--- rank 1 traceback ---" in text and "time.sleep(120)" in text  # where the silent rank was
-    assert "in all_reduce)" in text  # rank 0's line says where it waited
+    assert "(all_reduce in cell line 5)" in text  # rank 0's line says where it waited, in the cell
+    assert "Where the ranks were: rank 0: all_reduce in cell line 5; rank 1: cell line 3" in text
     assert kernel.value("jupyter_scale.get_session().runs[-1].status") == "timed out"
     again = kernel.ok("%%distribute\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", timeout=120)
     assert "[rank 1] sum 2.0" in again.stdout
