@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -211,10 +210,6 @@ def format_stacks(stacks: dict[int, str], world_size: int, hosts: dict[int, str]
         parts.append(f"{head}\n{body.rstrip()}\n" if body.strip() else f"{head}\n")
     return "\n".join(parts)
 
-
-def write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------------------

@@ -152,6 +152,7 @@ def reset() -> None:
         _state.frames_out.close()
     _state = _WorkerState()
     interrupts.forget()
+    debugging.forget_failure()  # its frames hold the last session's values
     # And what it patched: torch's as it was (the next session's cells put back what they use).
     # Not the engine's streams: this very call's output still goes through them.
     patches.remove_all(keep=(patches.CAPTURE,))
